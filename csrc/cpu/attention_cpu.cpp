@@ -1,0 +1,353 @@
+// CPU launchers and kernels of the flashv100 ops (see flash_cpu.h for the tiling).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/DistributionsHelper.h>
+#include <torch/library.h>
+
+#include <mutex>
+
+#include "cpu/flash_cpu.h"
+#include "tensor_params.h"
+
+namespace flashv100::cpu {
+namespace {
+
+constexpr auto kNegInf = -std::numeric_limits<double>::infinity();
+
+int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+template <typename Scalar, typename Acc>
+void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_q,
+                  int64_t row_begin, int64_t row_end) {
+  const AttentionShape& sh = p.shape;
+  const int64_t dim = sh.head_dim, dim_v = sh.head_dim_v;
+  const int64_t head_kv = kv_head_of(head_q, sh.heads_q, sh.heads_kv);
+  const int64_t rows = row_end - row_begin;
+  const int64_t batch_head = batch * sh.heads_q + head_q;
+  const bool dropout = p.dropout.p > 0.0f;
+  const uint32_t threshold = dropout_threshold(p.dropout.p);
+
+  std::vector<Acc> q(rows * dim), k(kBlockKV * dim), v(kBlockKV * dim_v), scores(rows * kBlockKV);
+  std::vector<Acc> acc(rows * dim_v, Acc(0)), row_max(rows, static_cast<Acc>(kNegInf)),
+      row_sum(rows, Acc(0));
+  load_rows<Scalar>(p.q, p.q_strides, batch, head_q, row_begin, row_end, dim, q.data());
+
+  const int64_t cols_end = visible_cols_end(p, row_begin, row_end);
+  for (int64_t col_begin = 0; col_begin < cols_end; col_begin += kBlockKV) {
+    const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin,
+                 std::min(col_begin + kBlockKV, cols_end)};
+    load_rows<Scalar>(p.k, p.k_strides, batch, head_kv, t.col_begin, t.col_end, dim, k.data());
+    load_rows<Scalar>(p.v, p.v_strides, batch, head_kv, t.col_begin, t.col_end, dim_v, v.data());
+    tile_scores(p, t, q.data(), k.data(), scores.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const Acc* s = scores.data() + r * t.cols();
+      Acc new_max = row_max[r];
+      for (int64_t c = 0; c < t.cols(); ++c) new_max = std::max(new_max, s[c]);
+      if (new_max == static_cast<Acc>(kNegInf)) continue;  // nothing visible yet in this row
+      const Acc correction = std::exp(row_max[r] - new_max);
+      Acc* out_row = acc.data() + r * dim_v;
+      row_sum[r] *= correction;
+      for (int64_t e = 0; e < dim_v; ++e) out_row[e] *= correction;
+      for (int64_t c = 0; c < t.cols(); ++c) {
+        Acc prob = std::exp(s[c] - new_max);
+        row_sum[r] += prob;
+        if (dropout) {
+          prob *= dropout_factor<Acc>(p.dropout, threshold, batch_head, row_begin + r,
+                                      t.col_begin + c);
+        }
+        if (prob == Acc(0)) continue;
+        const Acc* v_row = v.data() + c * dim_v;
+        for (int64_t e = 0; e < dim_v; ++e) out_row[e] += prob * v_row[e];
+      }
+      row_max[r] = new_max;
+    }
+  }
+
+  Scalar* out = static_cast<Scalar*>(p.out) + batch * p.out_strides.batch +
+                head_q * p.out_strides.head;
+  Acc* lse_rows = lse + batch_head * sh.len_q;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row_begin + r;
+    const bool empty = row_sum[r] == Acc(0);  // every key hidden: zeros, as SDPA gives
+    const Acc inv_sum = empty ? Acc(0) : Acc(1) / row_sum[r];
+    for (int64_t e = 0; e < dim_v; ++e) {
+      out[row * p.out_strides.row + e] = static_cast<Scalar>(acc[r * dim_v + e] * inv_sum);
+    }
+    lse_rows[row] = empty ? static_cast<Acc>(kNegInf) : row_max[r] + std::log(row_sum[r]);
+  }
+}
+
+template <typename Scalar, typename Acc>
+void forward(const ForwardParams& p, Acc* lse) {
+  const AttentionShape& sh = p.shape;
+  const int64_t row_blocks = blocks_of(sh.len_q, kBlockQ);
+  at::parallel_for(0, sh.batch * sh.heads_q * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % row_blocks, batch_head = task / row_blocks;
+      const int64_t row_begin = block * kBlockQ;
+      forward_rows<Scalar, Acc>(p, lse, batch_head / sh.heads_q, batch_head % sh.heads_q,
+                                row_begin, std::min(row_begin + kBlockQ, sh.len_q));
+    }
+  });
+}
+
+// What the backward needs about one tile of query rows, loaded once per tile.
+template <typename Acc>
+struct RowTile {
+  std::vector<Acc> q, dout, lse, delta;
+  RowTile(int64_t rows, int64_t dim, int64_t dim_v)
+      : q(rows * dim), dout(rows * dim_v), lse(rows), delta(rows) {}
+};
+
+// Visits every visible element of a tile with (r, c, P, dropout factor, dS).
+template <typename Acc, typename Visit>
+void for_each_grad_element(const BackwardParams& p, const Tile& t, const RowTile<Acc>& rows,
+                           const Acc* k, const Acc* v, Acc* scores, Visit&& visit) {
+  const ForwardParams& f = p.fwd;
+  const int64_t dim_v = f.shape.head_dim_v;
+  const int64_t batch_head = t.batch * f.shape.heads_q + t.head_q;
+  const bool dropout = f.dropout.p > 0.0f;
+  const uint32_t threshold = dropout_threshold(f.dropout.p);
+  tile_scores(f, t, rows.q.data(), k, scores);
+  for (int64_t r = 0; r < t.rows(); ++r) {
+    if (rows.lse[r] == static_cast<Acc>(kNegInf)) continue;  // fully hidden row: zero grads
+    for (int64_t c = 0; c < t.cols(); ++c) {
+      const Acc s = scores[r * t.cols() + c];
+      if (s == static_cast<Acc>(kNegInf)) continue;
+      const Acc prob = std::exp(s - rows.lse[r]);
+      const Acc keep = dropout ? dropout_factor<Acc>(f.dropout, threshold, batch_head,
+                                                     t.row_begin + r, t.col_begin + c)
+                               : Acc(1);
+      const Acc dprob = keep * dot(rows.dout.data() + r * dim_v, v + c * dim_v, dim_v);
+      visit(r, c, prob, keep, prob * (dprob - rows.delta[r]));
+    }
+  }
+}
+
+template <typename Scalar, typename Acc>
+void load_row_tile(const BackwardParams& p, const Acc* lse, const Acc* delta, int64_t batch,
+                   int64_t head_q, int64_t row_begin, int64_t row_end, RowTile<Acc>& tile) {
+  const ForwardParams& f = p.fwd;
+  load_rows<Scalar>(f.q, f.q_strides, batch, head_q, row_begin, row_end, f.shape.head_dim,
+                    tile.q.data());
+  load_rows<Scalar>(p.dout, p.dout_strides, batch, head_q, row_begin, row_end,
+                    f.shape.head_dim_v, tile.dout.data());
+  const int64_t offset = (batch * f.shape.heads_q + head_q) * f.shape.len_q;
+  std::copy(lse + offset + row_begin, lse + offset + row_end, tile.lse.begin());
+  std::copy(delta + offset + row_begin, delta + offset + row_end, tile.delta.begin());
+}
+
+template <typename Scalar, typename Acc>
+void store_rows(void* base, const TensorStrides& s, int64_t batch, int64_t head, int64_t begin,
+                int64_t end, int64_t dim, const Acc* src) {
+  Scalar* dst = static_cast<Scalar*>(base) + batch * s.batch + head * s.head;
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t e = 0; e < dim; ++e) {
+      dst[r * s.row + e] = static_cast<Scalar>(src[(r - begin) * dim + e]);
+    }
+  }
+}
+
+// dK and dV of one block of keys, summed over the query heads that share it (GQA).
+template <typename Scalar, typename Acc>
+void backward_key_block(const BackwardParams& p, const Acc* lse, const Acc* delta, int64_t batch,
+                        int64_t head_kv, int64_t col_begin, int64_t col_end) {
+  const ForwardParams& f = p.fwd;
+  const AttentionShape& sh = f.shape;
+  const int64_t dim = sh.head_dim, dim_v = sh.head_dim_v, cols = col_end - col_begin;
+  const int64_t group = sh.heads_q / sh.heads_kv;
+  std::vector<Acc> k(cols * dim), v(cols * dim_v), dk(cols * dim, Acc(0)), dv(cols * dim_v, Acc(0));
+  std::vector<Acc> scores(kBlockQ * cols);
+  RowTile<Acc> rows(kBlockQ, dim, dim_v);
+  load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, col_begin, col_end, dim, k.data());
+  load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, col_begin, col_end, dim_v, v.data());
+  const Acc scale = static_cast<Acc>(f.scale);
+  for (int64_t head_q = head_kv * group; head_q < (head_kv + 1) * group; ++head_q) {
+    float* dmask = p.dmask == nullptr
+                       ? nullptr
+                       : p.dmask + (batch * sh.heads_q + head_q) * sh.len_q * sh.len_kv;
+    for (int64_t row_begin = 0; row_begin < sh.len_q; row_begin += kBlockQ) {
+      const int64_t row_end = std::min(row_begin + kBlockQ, sh.len_q);
+      if (visible_cols_end(f, row_begin, row_end) <= col_begin) continue;
+      load_row_tile<Scalar>(p, lse, delta, batch, head_q, row_begin, row_end, rows);
+      const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
+      for_each_grad_element(p, t, rows, k.data(), v.data(), scores.data(),
+                            [&](int64_t r, int64_t c, Acc prob, Acc keep, Acc dscore) {
+                              const Acc* dout_row = rows.dout.data() + r * dim_v;
+                              const Acc* q_row = rows.q.data() + r * dim;
+                              const Acc pv = prob * keep;
+                              for (int64_t e = 0; e < dim_v; ++e) dv[c * dim_v + e] += pv * dout_row[e];
+                              for (int64_t e = 0; e < dim; ++e) dk[c * dim + e] += scale * dscore * q_row[e];
+                              if (dmask != nullptr) {
+                                dmask[(row_begin + r) * sh.len_kv + col_begin + c] =
+                                    static_cast<float>(dscore);
+                              }
+                            });
+    }
+  }
+  store_rows<Scalar>(p.dk, p.dk_strides, batch, head_kv, col_begin, col_end, dim, dk.data());
+  store_rows<Scalar>(p.dv, p.dv_strides, batch, head_kv, col_begin, col_end, dim_v, dv.data());
+}
+
+// dQ of one block of query rows.
+template <typename Scalar, typename Acc>
+void backward_query_block(const BackwardParams& p, const Acc* lse, const Acc* delta, int64_t batch,
+                          int64_t head_q, int64_t row_begin, int64_t row_end) {
+  const ForwardParams& f = p.fwd;
+  const AttentionShape& sh = f.shape;
+  const int64_t dim = sh.head_dim, dim_v = sh.head_dim_v, rows_n = row_end - row_begin;
+  const int64_t head_kv = kv_head_of(head_q, sh.heads_q, sh.heads_kv);
+  std::vector<Acc> k(kBlockKV * dim), v(kBlockKV * dim_v), dq(rows_n * dim, Acc(0));
+  std::vector<Acc> scores(rows_n * kBlockKV);
+  RowTile<Acc> rows(rows_n, dim, dim_v);
+  load_row_tile<Scalar>(p, lse, delta, batch, head_q, row_begin, row_end, rows);
+  const Acc scale = static_cast<Acc>(f.scale);
+  const int64_t cols_end = visible_cols_end(f, row_begin, row_end);
+  for (int64_t col_begin = 0; col_begin < cols_end; col_begin += kBlockKV) {
+    const int64_t col_end = std::min(col_begin + kBlockKV, cols_end);
+    load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, col_begin, col_end, dim, k.data());
+    load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, col_begin, col_end, dim_v, v.data());
+    const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
+    for_each_grad_element(p, t, rows, k.data(), v.data(), scores.data(),
+                          [&](int64_t r, int64_t c, Acc, Acc, Acc dscore) {
+                            const Acc* k_row = k.data() + c * dim;
+                            for (int64_t e = 0; e < dim; ++e) dq[r * dim + e] += scale * dscore * k_row[e];
+                          });
+  }
+  store_rows<Scalar>(p.dq, p.dq_strides, batch, head_q, row_begin, row_end, dim, dq.data());
+}
+
+// Two passes (keys, then queries) so that no two threads write one gradient element:
+// deterministic by construction, so the `deterministic` flag needs nothing extra here.
+template <typename Scalar, typename Acc>
+void backward(const BackwardParams& p, const Acc* lse, const Acc* delta) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t col_blocks = blocks_of(sh.len_kv, kBlockKV);
+  at::parallel_for(0, sh.batch * sh.heads_kv * col_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % col_blocks, batch_head = task / col_blocks;
+      const int64_t col_begin = block * kBlockKV;
+      backward_key_block<Scalar, Acc>(p, lse, delta, batch_head / sh.heads_kv,
+                                      batch_head % sh.heads_kv, col_begin,
+                                      std::min(col_begin + kBlockKV, sh.len_kv));
+    }
+  });
+  const int64_t row_blocks = blocks_of(sh.len_q, kBlockQ);
+  at::parallel_for(0, sh.batch * sh.heads_q * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % row_blocks, batch_head = task / row_blocks;
+      const int64_t row_begin = block * kBlockQ;
+      backward_query_block<Scalar, Acc>(p, lse, delta, batch_head / sh.heads_q,
+                                        batch_head % sh.heads_q, row_begin,
+                                        std::min(row_begin + kBlockQ, sh.len_q));
+    }
+  });
+}
+
+at::Tensor make_rng_state(double dropout_p, uint64_t* seed) {
+  at::Tensor state = at::zeros({2}, at::TensorOptions().dtype(at::kLong));
+  if (dropout_p > 0.0) {
+    auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
+        std::nullopt, at::detail::getDefaultCPUGenerator());
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    *seed = gen->random64();
+    state[0] = static_cast<int64_t>(*seed);
+  }
+  return state;
+}
+
+void load_rng_state(const at::Tensor& rng_state, DropoutParams& dropout) {
+  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong,
+              "flashv100: expected rng_state int64[2] (as returned by _attention_forward), got ",
+              rng_state.scalar_type(), rng_state.sizes());
+  const at::Tensor state = rng_state.cpu();
+  dropout.seed = static_cast<uint64_t>(state[0].item<int64_t>());
+  dropout.offset = static_cast<uint64_t>(state[1].item<int64_t>());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t causal_mode,
+    double scale) {
+  check_attention_inputs("flashv100._attention_forward", query, key, value, attn_mask, dropout_p,
+                         causal_mode);
+  at::Tensor out = allocate_out(query, value);
+  at::Tensor lse = allocate_lse(query);
+  ForwardParams p = make_forward_params(query, key, value, attn_mask, out, lse, scale,
+                                        causal_mode, dropout_p);
+  at::Tensor rng_state = make_rng_state(dropout_p, &p.dropout.seed);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "flashv100_fwd", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    forward<scalar_t, Acc>(p, lse.data_ptr<Acc>());
+  });
+  return {out, lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& rng_state, double dropout_p, int64_t causal_mode,
+    double scale, bool mask_requires_grad, bool deterministic) {
+  constexpr const char* op = "flashv100._attention_backward";
+  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, causal_mode);
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
+                  grad_out.stride(-1) == 1,
+              op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim");
+  TORCH_CHECK(lse.scalar_type() == allocate_lse(query.narrow(2, 0, 0)).scalar_type(), op,
+              ": expected lse as returned by _attention_forward, got ", lse.scalar_type());
+  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
+              op, ": mask_requires_grad needs an additive (floating) attn_mask");
+  at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key),
+             grad_value = at::empty_like(value);
+  at::Tensor grad_mask_full;
+  if (mask_requires_grad) {
+    grad_mask_full = at::zeros({query.size(0), query.size(1), query.size(2), key.size(2)},
+                               query.options().dtype(at::kFloat));
+  }
+  const at::Tensor lse_c = lse.contiguous();
+  const at::Tensor delta = (grad_out.to(lse.scalar_type()) * out.to(lse.scalar_type()))
+                               .sum(-1)
+                               .contiguous();
+  BackwardParams p = make_backward_params(grad_out, query, key, value, attn_mask, out, lse_c,
+                                          scale, causal_mode, dropout_p, grad_query, grad_key,
+                                          grad_value, grad_mask_full, deterministic);
+  if (dropout_p > 0.0) load_rng_state(rng_state, p.fwd.dropout);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "flashv100_bwd", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    backward<scalar_t, Acc>(p, lse_c.data_ptr<Acc>(), delta.data_ptr<Acc>());
+  });
+  at::Tensor grad_mask = mask_requires_grad ? reduce_mask_grad(grad_mask_full, *attn_mask)
+                                            : at::empty({0}, query.options());
+  return {grad_query, grad_key, grad_value, grad_mask};
+}
+
+at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                            int64_t len_q, int64_t len_kv, double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
+              "flashv100._dropout_mask: expected dropout_p in [0, 1), got ", dropout_p);
+  DropoutParams d;
+  d.p = static_cast<float>(dropout_p);
+  load_rng_state(rng_state, d);
+  at::Tensor keep = at::empty({batch, heads, len_q, len_kv}, rng_state.options().dtype(at::kBool));
+  bool* data = keep.data_ptr<bool>();
+  const uint32_t threshold = dropout_threshold(d.p);
+  at::parallel_for(0, batch * heads * len_q, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row_id = begin; row_id < end; ++row_id) {
+      for (int64_t col = 0; col < len_kv; ++col) {
+        data[row_id * len_kv + col] =
+            dropout_factor<float>(d, threshold, row_id / len_q, row_id % len_q, col) != 0.0f;
+      }
+    }
+  });
+  return keep;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashv100, CPU, m) {
+  m.impl("_attention_forward", TORCH_FN(attention_forward_cpu));
+  m.impl("_attention_backward", TORCH_FN(attention_backward_cpu));
+  m.impl("_dropout_mask", TORCH_FN(dropout_mask_cpu));
+}
+
+}  // namespace flashv100::cpu

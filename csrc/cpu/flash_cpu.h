@@ -1,0 +1,117 @@
+// Blocked FlashAttention-2 on the CPU: the semantic reference kernel of the library. Extra memory
+// is O(block^2) per thread; the L x S score matrix is never materialised. Scalars are read in
+// their own type and computed in `Acc` (double for fp64 inputs, float otherwise).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/params.h"
+#include "common/philox.h"
+
+namespace flashv100::cpu {
+
+constexpr int64_t kBlockQ = 32;
+constexpr int64_t kBlockKV = 64;
+
+template <typename Acc>
+Acc read_scalar(const void* base, int64_t index, ScalarKind kind) {
+  switch (kind) {
+    case ScalarKind::kHalf: return static_cast<Acc>(static_cast<const c10::Half*>(base)[index]);
+    case ScalarKind::kBFloat16:
+      return static_cast<Acc>(static_cast<const c10::BFloat16*>(base)[index]);
+    case ScalarKind::kFloat: return static_cast<Acc>(static_cast<const float*>(base)[index]);
+    case ScalarKind::kDouble: return static_cast<Acc>(static_cast<const double*>(base)[index]);
+    case ScalarKind::kBool: return static_cast<const bool*>(base)[index] ? Acc(1) : Acc(0);
+  }
+  return Acc(0);
+}
+
+// First key column hidden by the causal mask for query row `row`; len_kv when nothing is.
+inline int64_t causal_limit(const ForwardParams& p, int64_t row) {
+  switch (p.causal) {
+    case CausalMode::kTopLeft: return std::min(p.shape.len_kv, row + 1);
+    case CausalMode::kBottomRight:
+      return std::clamp<int64_t>(row + 1 + p.shape.len_kv - p.shape.len_q, 0, p.shape.len_kv);
+    case CausalMode::kNone: break;
+  }
+  return p.shape.len_kv;
+}
+
+// One (batch, query head) pair and the rows / columns of a tile of the score matrix.
+struct Tile {
+  int64_t batch, head_q, head_kv;
+  int64_t row_begin, row_end, col_begin, col_end;
+  int64_t rows() const { return row_end - row_begin; }
+  int64_t cols() const { return col_end - col_begin; }
+};
+
+// Copies rows [begin, end) of one head of a [B, H, L, D] tensor into a dense Acc buffer.
+template <typename Scalar, typename Acc>
+void load_rows(const void* base, const TensorStrides& s, int64_t batch, int64_t head,
+               int64_t begin, int64_t end, int64_t dim, Acc* dst) {
+  const Scalar* src = static_cast<const Scalar*>(base) + batch * s.batch + head * s.head;
+  for (int64_t r = begin; r < end; ++r) {
+    const Scalar* row = src + r * s.row;
+    for (int64_t e = 0; e < dim; ++e) dst[(r - begin) * dim + e] = static_cast<Acc>(row[e]);
+  }
+}
+
+template <typename Acc>
+Acc dot(const Acc* a, const Acc* b, int64_t n) {
+  Acc sum = 0;
+  for (int64_t e = 0; e < n; ++e) sum += a[e] * b[e];
+  return sum;
+}
+
+// Scaled, masked scores of a tile: -inf where the causal or bool mask hides a key.
+template <typename Acc>
+void tile_scores(const ForwardParams& p, const Tile& t, const Acc* q, const Acc* k, Acc* scores) {
+  const int64_t dim = p.shape.head_dim;
+  const MaskParams& m = p.mask;
+  const int64_t mask_base = t.batch * m.batch_stride + t.head_q * m.head_stride;
+  for (int64_t r = 0; r < t.rows(); ++r) {
+    const int64_t row = t.row_begin + r;
+    const int64_t visible_end = causal_limit(p, row);
+    for (int64_t c = 0; c < t.cols(); ++c) {
+      const int64_t col = t.col_begin + c;
+      Acc s = -std::numeric_limits<Acc>::infinity();
+      if (col < visible_end) {
+        s = static_cast<Acc>(p.scale) * dot(q + r * dim, k + c * dim, dim);
+        if (m.kind != MaskKind::kNone) {
+          const Acc value =
+              read_scalar<Acc>(m.ptr, mask_base + row * m.row_stride + col * m.col_stride, m.dtype);
+          if (m.kind == MaskKind::kBool) {
+            if (value == Acc(0)) s = -std::numeric_limits<Acc>::infinity();
+          } else {
+            s += value;
+          }
+        }
+      }
+      scores[r * t.cols() + c] = s;
+    }
+  }
+}
+
+// Dropout keep factor of element (row, col): 0 if dropped, 1 / (1 - p) if kept.
+template <typename Acc>
+Acc dropout_factor(const DropoutParams& d, uint32_t threshold, int64_t batch_head, int64_t row,
+                   int64_t col) {
+  const Philox4 bits = dropout_bits(d.seed, d.offset, batch_head, row, col);
+  return philox_word(bits, static_cast<int>(col & 3)) >= threshold
+             ? static_cast<Acc>(1.0 / (1.0 - static_cast<double>(d.p)))
+             : Acc(0);
+}
+
+// The column range [0, end) of keys that any row of [row_begin, row_end) can see.
+inline int64_t visible_cols_end(const ForwardParams& p, int64_t row_begin, int64_t row_end) {
+  return row_end > row_begin ? causal_limit(p, row_end - 1) : 0;
+}
+
+}  // namespace flashv100::cpu

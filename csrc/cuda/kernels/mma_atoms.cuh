@@ -1,0 +1,96 @@
+// Tensor-core atoms: one warp-wide mma instruction plus the map from (lane, register) to the
+// matrix coordinates it holds. Everything above this file (tiles, softmax, masking) is written
+// against these maps only, never against an instruction's layout.
+//
+// Operands are 16-bit pairs: A register j of a lane holds A(a_row, a_col) and A(a_row, a_col + 1);
+// B register j holds B^T(b_col, b_k) and B^T(b_col, b_k + 1), i.e. B is addressed as (n, k).
+// Accumulator element i sits at (c_row, c_col); c_col(i ^ 1) == c_col(i) ^ 1, so elements (2k, 2k+1)
+// are column neighbours. The rows a lane holds are indexed by a "row slot", and the lanes sharing
+// a row differ exactly in the bits of kRowLaneMask (used for row reductions via shuffles).
+#pragma once
+
+#include "cuda/kernels/numeric.cuh"
+
+namespace flashv100 {
+namespace kern {
+
+// Volta mma.m8n8k4: one warp instruction is four independent 8x8x4 products, one per quad pair
+// (lanes 4q..4q+3 and 16+4q..16+4q+3, PTX ISA "quad-pair"). Quad pair q is placed at rows 8*(q&1)
+// and columns 8*(q>>1), so one instruction computes a 16x16x4 warp tile.
+struct VoltaAtom {
+  static constexpr int kM = 16, kN = 16, kK = 4;
+  static constexpr int kARegs = 2, kBRegs = 2, kCRegs = 8;
+  static constexpr int kRowSlots = 2;
+  static constexpr int kRowLaneMask = 0b01010;  // lanes of a row differ in bits 1 and 3
+
+  static __device__ __forceinline__ int a_row(int lane, int) {
+    return ((lane >> 2) & 1) * 8 + (lane >> 4) * 4 + (lane & 3);
+  }
+  static __device__ __forceinline__ int a_col(int, int j) { return 2 * j; }
+  static __device__ __forceinline__ int b_col(int lane, int) {
+    return ((lane >> 3) & 1) * 8 + (lane >> 4) * 4 + (lane & 3);
+  }
+  static __device__ __forceinline__ int b_k(int, int j) { return 2 * j; }
+  static __device__ __forceinline__ int row_slot(int i) { return (i >> 1) & 1; }
+  static __device__ __forceinline__ int slot_row(int lane, int slot) {
+    return ((lane >> 2) & 1) * 8 + (lane >> 4) * 4 + (lane & 1) + 2 * slot;
+  }
+  static __device__ __forceinline__ int c_row(int lane, int i) { return slot_row(lane, row_slot(i)); }
+  static __device__ __forceinline__ int c_col(int lane, int i) {
+    return ((lane >> 3) & 1) * 8 + (lane & 2) + (i & 1) + (i & 4);
+  }
+
+  template <class Elem>
+  static __device__ __forceinline__ void mma(float (&c)[kCRegs], const uint32_t (&a)[kARegs],
+                                             const uint32_t (&b)[kBRegs]) {
+    static_assert(!Elem::kIsBf16, "Volta tensor cores take fp16 only");
+    asm volatile(
+        "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]),
+          "+f"(c[7])
+        : "r"(a[0]), "r"(a[1]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// Ampere+ mma.m16n8k16 (fp16 or bf16 inputs, fp32 accumulate).
+struct AmpereAtom {
+  static constexpr int kM = 16, kN = 8, kK = 16;
+  static constexpr int kARegs = 4, kBRegs = 2, kCRegs = 4;
+  static constexpr int kRowSlots = 2;
+  static constexpr int kRowLaneMask = 0b00011;  // lanes of a row differ in bits 0 and 1
+
+  static __device__ __forceinline__ int a_row(int lane, int j) { return (lane >> 2) + (j & 1) * 8; }
+  static __device__ __forceinline__ int a_col(int lane, int j) { return (lane & 3) * 2 + (j >> 1) * 8; }
+  static __device__ __forceinline__ int b_col(int lane, int) { return lane >> 2; }
+  static __device__ __forceinline__ int b_k(int lane, int j) { return (lane & 3) * 2 + j * 8; }
+  static __device__ __forceinline__ int row_slot(int i) { return i >> 1; }
+  static __device__ __forceinline__ int slot_row(int lane, int slot) { return (lane >> 2) + 8 * slot; }
+  static __device__ __forceinline__ int c_row(int lane, int i) { return slot_row(lane, row_slot(i)); }
+  static __device__ __forceinline__ int c_col(int lane, int i) { return (lane & 3) * 2 + (i & 1); }
+
+  template <class Elem>
+  static __device__ __forceinline__ void mma(float (&c)[kCRegs], const uint32_t (&a)[kARegs],
+                                             const uint32_t (&b)[kBRegs]) {
+#if FLASHV100_SM80
+    if constexpr (Elem::kIsBf16) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#else
+    __trap();  // never launched below sm_80: the launcher picks VoltaAtom there
+#endif
+  }
+};
+
+}  // namespace kern
+}  // namespace flashv100

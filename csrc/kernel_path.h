@@ -1,0 +1,17 @@
+// Which tensor-core atom the CUDA kernels use. Host-only, no ATen.
+#pragma once
+
+namespace flashv100 {
+
+enum class MmaAtom : int { kVoltaM8N8K4 = 0, kAmpereM16N8K16 = 1 };
+
+// Forces the Volta atom on GPUs that have newer ones (how the sm_70 path is tested on newer GPUs).
+// Initialised from the environment variable FLASHV100_FORCE_VOLTA (1/true/yes), then settable.
+bool force_volta_atom();
+void set_force_volta_atom(bool force);
+
+// The atom used on a device of compute capability major.minor, honouring the override.
+MmaAtom mma_atom_for(int cc_major, int cc_minor);
+const char* mma_atom_name(MmaAtom atom);
+
+}  // namespace flashv100

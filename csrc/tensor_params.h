@@ -1,0 +1,45 @@
+// ATen tensors -> the plain kernel parameter structs of common/params.h. The one place where
+// tensors become pointers and strides; shared by the CPU and CUDA launchers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/OpMathType.h>
+
+#include <optional>
+
+#include "common/params.h"
+
+namespace flashv100 {
+
+// Validates the internal ops' inputs: 4-D query [B, Hq, L, E], key [B, Hkv, S, E], value
+// [B, Hkv, S, Ev], last dim contiguous, one dtype and device, Hq % Hkv == 0, a mask whose dims are
+// each 1 or full size, causal_mode in {0, 1, 2}, dropout_p in [0, 1). `op` names the caller.
+void check_attention_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                            double dropout_p, int64_t causal_mode);
+
+// Output allocation shared by the real kernels of every device (fake kernels mirror it).
+// lse is fp32, except fp64 for fp64 inputs (so float64 gradients stay exact).
+at::Tensor allocate_out(const at::Tensor& query, const at::Tensor& value);
+at::Tensor allocate_lse(const at::Tensor& query);
+
+ForwardParams make_forward_params(const at::Tensor& query, const at::Tensor& key,
+                                  const at::Tensor& value,
+                                  const std::optional<at::Tensor>& attn_mask,
+                                  const at::Tensor& out, const at::Tensor& lse, double scale,
+                                  int64_t causal_mode, double dropout_p);
+
+// grad_mask_full: [B, Hq, L, S] fp32 buffer for the additive mask's gradient, or undefined.
+BackwardParams make_backward_params(const at::Tensor& grad_out, const at::Tensor& query,
+                                    const at::Tensor& key, const at::Tensor& value,
+                                    const std::optional<at::Tensor>& attn_mask,
+                                    const at::Tensor& out, const at::Tensor& lse, double scale,
+                                    int64_t causal_mode, double dropout_p,
+                                    const at::Tensor& grad_query, const at::Tensor& grad_key,
+                                    const at::Tensor& grad_value,
+                                    const at::Tensor& grad_mask_full, bool deterministic);
+
+// Reduces the full [B, Hq, L, S] mask gradient to the mask's (broadcast) shape and dtype.
+at::Tensor reduce_mask_grad(const at::Tensor& grad_mask_full, const at::Tensor& attn_mask);
+
+}  // namespace flashv100
