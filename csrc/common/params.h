@@ -5,7 +5,7 @@
 // lse [B, Hq, Lq] contiguous fp32. Strides are in elements; the last dim is contiguous.
 #pragma once
 
-#include <stdint.h>
+#include "common/fixed_width_types.h"
 
 namespace flashv100 {
 

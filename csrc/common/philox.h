@@ -2,7 +2,7 @@
 // same elements for the same (seed, offset). Philox4x32-10 (Salmon et al., SC'11). No ATen.
 #pragma once
 
-#include <stdint.h>
+#include "common/fixed_width_types.h"
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define FLASHV100_HOST_DEVICE __host__ __device__ __forceinline__
