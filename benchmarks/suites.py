@@ -122,7 +122,7 @@ SUITES: Dict[str, Tuple[str, Callable[[str], List[Config]], float]] = {
             _fa2, 200.0),
     "gqa": ("GQA prefill: 32 query / 8 kv heads, E=128, L=1k..8k, causal and not", _gqa, 150.0),
     "quick": ("a handful of configurations, under a minute", _quick, 35.0),
-    "tiny": ("two tiny configurations for CI tests", _tiny, 10.0),
+    "tiny": ("two tiny configurations for CI tests", _tiny, 30.0),
 }
 
 

@@ -1,0 +1,609 @@
+"""Timing, memory, accuracy and the run loop of the attention benchmark.
+
+Method (also written into every JSON under metadata.method):
+  * time: CUDA events around each repetition (or ``triton.testing.do_bench`` when Triton is
+    installed and one call is short enough for its fixed estimate runs), after a warm-up; on CPU
+    ``time.perf_counter``. Reported: median, 20th and 80th percentile, number of repetitions.
+    Repetitions are chosen adaptively from a time budget for the whole suite.
+  * forward is timed with inputs that require grad (a training forward); backward is
+    ``out.backward(dout, retain_graph=True)`` on one retained graph; fwd+bwd is both per call.
+    Gradients are reset to None between repetitions (outside the timed region).
+  * memory: the peak *extra* memory of one forward+backward above what is allocated before it
+    (inputs, dout), including the three gradient tensors (the same for every implementation).
+    CUDA: ``torch.cuda.max_memory_allocated`` delta. CPU: the running sum of the CPU allocator's
+    allocation/free events recorded by ``torch.profiler(profile_memory=True)`` (no tracemalloc;
+    memory a kernel takes outside the PyTorch allocator is not seen). ``mem_fwd_mb`` is the same
+    for one forward under ``torch.no_grad`` (inference).
+  * accuracy: max abs error of out / dq / dk / dv of every implementation vs an fp64 reference
+    (torch_flash_v100.reference.reference_attention, computed on the device in head chunks),
+    for the same inputs and the same output gradient.
+  * TFLOP/s: forward = 4*B*H*L*S*E (causal: half), backward = 2.5x forward.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .implementations import FLASH, Impl, load_flashv100, make_impls, naive_attention
+from .suites import BWD_FLOP_RATIO, Config, flops_fwd
+
+__all__ = ["run_suite", "collect_metadata", "time_fn", "peak_memory_mb", "reference_grads",
+           "default_dtype", "DTYPES"]
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def default_dtype(device: torch.device) -> str:
+    return "fp16" if device.type == "cuda" else "fp32"
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q
+    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _triton_do_bench():
+    try:
+        from triton.testing import do_bench  # type: ignore
+        return do_bench
+    except Exception:
+        return None
+
+
+def time_fn(fn: Callable[[], Any], device: torch.device, budget_s: float, *,
+            setup: Optional[Callable[[], None]] = None, estimate_ms: Optional[float] = None,
+            max_reps: int = 200, timer: str = "auto") -> Dict[str, Any]:
+    """Median / p20 / p80 milliseconds of ``fn`` with as many repetitions as fit ``budget_s``.
+
+    ``setup`` runs before every repetition outside the timed region. ``estimate_ms`` (the time of
+    one earlier call) lets slow functions skip the extra warm-up call.
+    """
+    device = torch.device(device)
+    do_bench = _triton_do_bench() if (device.type == "cuda" and timer in ("auto", "do_bench")) else None
+    if estimate_ms is None or estimate_ms < 0.5 * budget_s * 1e3:
+        # warm-up call, which also gives the estimate
+        if setup:
+            setup()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        estimate_ms = (time.perf_counter() - t0) * 1e3
+    estimate_ms = max(estimate_ms, 1e-3)
+    reps = int(max(1, min(max_reps, (budget_s * 1e3) // estimate_ms)))
+    if do_bench is not None and (timer == "do_bench" or reps >= 20):
+        try:
+            qs = do_bench(fn, warmup=max(1, int(min(25, 0.2 * budget_s * 1e3))),
+                          rep=max(1, int(0.8 * budget_s * 1e3)), quantiles=[0.5, 0.2, 0.8],
+                          grad_to_none=None if setup is None else _GradNone(setup))
+            med, p20, p80 = (float(x) for x in qs)
+            return {"ms": med, "p20": p20, "p80": p80, "reps": None, "timer": "triton.do_bench"}
+        except Exception:
+            pass  # API differences across Triton versions: fall back to the own loop
+    times: List[float] = []
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            if setup:
+                setup()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        name = "cuda-events"
+    else:
+        for _ in range(reps):
+            if setup:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        name = "perf_counter"
+    return {"ms": _quantile(times, 0.5), "p20": _quantile(times, 0.2), "p80": _quantile(times, 0.8),
+            "reps": reps, "timer": name}
+
+
+class _GradNone(list):
+    """do_bench's grad_to_none wants tensors; we pass a list whose iteration runs ``setup``."""
+
+    def __init__(self, setup):
+        super().__init__()
+        self._setup = setup
+
+    def __iter__(self):
+        self._setup()
+        return iter(())
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+
+def _cpu_peak_from_profiler(prof) -> Optional[int]:
+    try:
+        tree = prof.profiler.kineto_results.experimental_event_tree()
+    except Exception:
+        return None
+    allocs = []
+
+    def walk(n):
+        size = getattr(getattr(n, "extra_fields", None), "alloc_size", None)
+        if n.name == "[memory]" and size is not None:
+            allocs.append((n.start_time_ns, int(size)))
+        for c in n.children:
+            walk(c)
+
+    for r in tree:
+        walk(r)
+    allocs.sort()
+    cur = peak = 0
+    for _, s in allocs:
+        cur += s
+        peak = max(peak, cur)
+    return peak
+
+
+class _mute_fd2:
+    """Silences file descriptor 2 (C++ logging) for a moment; Python exceptions are unaffected."""
+
+    def __enter__(self):
+        try:
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+            self._null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(self._null, 2)
+        except Exception:
+            self._saved = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            os.close(self._null)
+        return False
+
+
+def peak_memory_mb(fn: Callable[[], Any], device: torch.device) -> Optional[float]:
+    """Peak memory (MB) that ``fn`` allocates above what is allocated before it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:
+        fn()
+        return None
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _mute_fd2():  # some builds print profiler_start/stop lines from C++
+        prof.__enter__()
+    try:
+        fn()
+    finally:
+        with _mute_fd2():
+            prof.__exit__(None, None, None)
+    peak = _cpu_peak_from_profiler(prof)
+    return None if peak is None else peak / 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------------
+
+def _reference_fn():
+    try:
+        from torch_flash_v100.reference import reference_attention
+        return reference_attention, "torch_flash_v100.reference.reference_attention (fp64)"
+    except Exception:
+        def ref(q, k, v, is_causal=False, enable_gqa=False):
+            return naive_attention(q, k, v, is_causal)
+        return ref, "benchmarks naive_attention in fp64 (torch_flash_v100.reference unavailable)"
+
+
+def reference_grads(q, k, v, dout, causal: bool, mem_limit_bytes: Optional[int] = None):
+    """fp64 out, dq, dk, dv, computed in chunks of (batch, kv-head group) to bound memory."""
+    ref, _ = _reference_fn()
+    B, H, L, E = q.shape
+    Hkv, S = k.size(1), k.size(2)
+    g = H // Hkv
+    dev = q.device
+    if mem_limit_bytes is None:
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            mem_limit_bytes = int(free * 0.3)
+        else:
+            mem_limit_bytes = 1 << 30
+    per_kv_head = g * L * S * 8 * 5  # scores, probs, their grads, slack
+    chunk = max(1, min(Hkv, mem_limit_bytes // max(1, per_kv_head)))
+    qd, kd, vd, dod = (t.detach().to(torch.float64) for t in (q, k, v, dout))
+    out = torch.empty_like(qd)
+    dq = torch.empty_like(qd)
+    dk = torch.empty_like(kd)
+    dv = torch.empty_like(vd)
+    with torch.enable_grad():
+        for b in range(B):
+            for h0 in range(0, Hkv, chunk):
+                h1 = min(Hkv, h0 + chunk)
+                qs = qd[b:b + 1, h0 * g:h1 * g].clone().requires_grad_()
+                ks = kd[b:b + 1, h0:h1].clone().requires_grad_()
+                vs = vd[b:b + 1, h0:h1].clone().requires_grad_()
+                o = ref(qs, ks, vs, is_causal=causal, enable_gqa=g > 1)
+                o.backward(dod[b:b + 1, h0 * g:h1 * g])
+                out[b:b + 1, h0 * g:h1 * g] = o.detach()
+                dq[b:b + 1, h0 * g:h1 * g] = qs.grad
+                dk[b:b + 1, h0:h1] = ks.grad
+                dv[b:b + 1, h0:h1] = vs.grad
+                del qs, ks, vs, o
+    return out, dq, dk, dv
+
+
+def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    if x is None:
+        return float("nan")
+    return float((x.detach().to(torch.float64) - ref).abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+# ---------------------------------------------------------------------------------------------
+
+def _git(*args) -> Optional[str]:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() if r.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def collect_metadata(device: torch.device) -> Dict[str, Any]:
+    device = torch.device(device)
+    md: Dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": None,
+        "device": str(device),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+    }
+    st = _git("status", "--porcelain", "--untracked-files=no")
+    md["git_dirty"] = None if st is None else bool(st)
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        md["device_name"] = p.name
+        md["compute_capability"] = f"{p.major}.{p.minor}"
+        md["device_memory_gb"] = round(p.total_memory / 2**30, 1)
+        md["sm_count"] = p.multi_processor_count
+        try:
+            md["cudnn_version"] = torch.backends.cudnn.version()
+        except Exception:
+            md["cudnn_version"] = None
+    else:
+        md["device_name"] = platform.processor() or platform.machine()
+        md["compute_capability"] = None
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        md["device_name"] = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+    try:
+        import triton  # type: ignore
+        md["triton_version"] = triton.__version__
+    except Exception:
+        md["triton_version"] = None
+    tfv, reason = load_flashv100()
+    if tfv is None:
+        md["torch_flash_v100"] = {"error": reason}
+    else:
+        info: Dict[str, Any] = {"version": getattr(tfv, "__version__", None)}
+        try:
+            info["build_info"] = _jsonable(tfv.build_info())
+        except Exception as e:
+            info["build_info"] = {"error": f"{type(e).__name__}: {e}"}
+        md["torch_flash_v100"] = info
+    md["reference"] = _reference_fn()[1]
+    md["method"] = {
+        "time": "CUDA events per repetition (or triton.testing.do_bench), median/p20/p80; CPU: perf_counter",
+        "memory": ("torch.cuda.max_memory_allocated delta over one fwd+bwd" if device.type == "cuda" else
+                   "CPU allocator alloc/free events via torch.profiler(profile_memory=True), running-sum peak"),
+        "flops": "fwd 4*B*H*L*S*E (causal /2); bwd 2.5x fwd",
+        "errors": "max abs error vs fp64 reference, same inputs and output gradient",
+    }
+    return md
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run loop
+# ---------------------------------------------------------------------------------------------
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        self.total = total
+        self.i = 0
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True)
+            except Exception:
+                self.bar = None
+
+    def step(self, desc: str):
+        self.i += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_description(desc[:60])
+            self.bar.update(1)
+        else:
+            print(f"[{self.i}/{self.total}] {desc}", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _short_error(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    if len(msg) > 500:
+        msg = msg[:500] + "..."
+    return f"{type(e).__name__}: {msg}"
+
+
+def _is_sticky_cuda_error(e: BaseException) -> bool:
+    m = str(e)
+    return any(s in m for s in ("illegal memory access", "device-side assert", "unspecified launch failure",
+                                "misaligned address", "illegal instruction", "CUDA error: an illegal"))
+
+
+def _cleanup(device: torch.device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(impl: Impl, cfg: Config, tensors, ref, device: torch.device, budget_s: float,
+            timer: str = "auto") -> Dict[str, Any]:
+    """All numbers for one implementation on one configuration (raises on failure)."""
+    q, k, v, dout = tensors
+    flops = flops_fwd(cfg)
+    res: Dict[str, Any] = {"status": "ok"}
+
+    def zero():
+        q.grad = k.grad = v.grad = None
+
+    with impl.context():
+        # 1. one fwd+bwd: accuracy and training memory; also the warm-up
+        zero()
+        holder = {}
+
+        def fwd_bwd_keep():
+            o = impl.fn(q, k, v, cfg.causal)
+            o.backward(dout)
+            holder["out"] = o.detach()
+
+        t0 = time.perf_counter()
+        res["mem_mb"] = peak_memory_mb(fwd_bwd_keep, device)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        out_ref, dq_ref, dk_ref, dv_ref = ref
+        res["err_out"] = _max_err(holder.pop("out"), out_ref)
+        res["err_dq"] = _max_err(q.grad, dq_ref)
+        res["err_dk"] = _max_err(k.grad, dk_ref)
+        res["err_dv"] = _max_err(v.grad, dv_ref)
+        zero()
+
+        def fwd_nograd():
+            with torch.no_grad():
+                impl.fn(q, k, v, cfg.causal)
+
+        res["mem_fwd_mb"] = peak_memory_mb(fwd_nograd, device)
+
+        # 2. timings
+        b = budget_s / 3.0
+        est = first_ms / 3.5
+        tf = time_fn(lambda: impl.fn(q, k, v, cfg.causal), device, b, estimate_ms=est, timer=timer)
+        out = impl.fn(q, k, v, cfg.causal)
+        tb = time_fn(lambda: out.backward(dout, retain_graph=True), device, b, setup=zero,
+                     estimate_ms=est * BWD_FLOP_RATIO, timer=timer)
+        del out
+        zero()
+
+        def fb():
+            impl.fn(q, k, v, cfg.causal).backward(dout)
+
+        tfb = time_fn(fb, device, b, setup=zero, estimate_ms=first_ms, timer=timer)
+        zero()
+    for name, t, fl in (("fwd", tf, flops), ("bwd", tb, flops * BWD_FLOP_RATIO),
+                        ("fwdbwd", tfb, flops * (1 + BWD_FLOP_RATIO))):
+        res[f"{name}_ms"] = t["ms"]
+        res[f"{name}_ms_p20"] = t["p20"]
+        res[f"{name}_ms_p80"] = t["p80"]
+        res[f"{name}_reps"] = t["reps"]
+        res[f"tflops_{name}"] = fl / (t["ms"] * 1e-3) / 1e12 if t["ms"] > 0 else None
+        res["timer"] = t["timer"]
+    return res
+
+
+def _make_inputs(cfg: Config, device: torch.device, seed: int = 0):
+    dt = DTYPES[cfg.dtype]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
+
+    q = rnd(cfg.B, cfg.H, cfg.L, cfg.E).requires_grad_()
+    k = rnd(cfg.B, cfg.Hkv, cfg.S, cfg.E).requires_grad_()
+    v = rnd(cfg.B, cfg.Hkv, cfg.S, cfg.E).requires_grad_()
+    dout = rnd(cfg.B, cfg.H, cfg.L, cfg.E)
+    return q, k, v, dout
+
+
+def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[List[str]] = None,
+              impls: Optional[List[Impl]] = None, time_budget_s: Optional[float] = None,
+              progress: bool = True, timer: str = "auto", suite: str = "custom",
+              on_config_done: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Run every implementation on every configuration; returns the JSON-able result document.
+
+    A failing implementation for one configuration is recorded with its error and the run goes
+    on. ``time_budget_s`` bounds the whole run: repetitions are spread over what is left, and past
+    1.15x the budget the remaining measurements are skipped (recorded as such).
+    ``on_config_done`` gets the partial document after every configuration (for incremental saves).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    configs = [c if c.dtype else c.with_dtype(default_dtype(device)) for c in configs]
+    if impls is None:
+        impls = make_impls(device, impl_names)
+    t_start = time.perf_counter()
+    doc: Dict[str, Any] = {
+        "schema": "torch_flash_v100.bench/1",
+        "suite": suite,
+        "metadata": collect_metadata(device),
+        "implementations": [
+            {"name": im.name, "description": im.description, "available": im.available,
+             "skip_reason": im.skip_reason, "kernel_path": im.kernel_path, "notes": im.notes}
+            for im in impls],
+        "results": [],
+    }
+    doc["metadata"]["time_budget_s"] = time_budget_s
+    doc["metadata"]["timer"] = timer
+    runnable = [im for im in impls if im.available]
+    n_items = len(configs) * len(runnable)
+    done = 0
+    bar = _Progress(n_items, progress)
+    sticky: Optional[str] = None
+    try:
+        for cfg in configs:
+            entry: Dict[str, Any] = {"key": cfg.key(), "config": cfg.to_dict(), "flops_fwd": flops_fwd(cfg),
+                                     "impls": {}, "speedup": {}}
+            for im in impls:
+                if not im.available:
+                    entry["impls"][im.name] = {"status": "skipped", "reason": im.skip_reason}
+            tensors = ref = None
+            try:
+                if sticky:
+                    raise RuntimeError(sticky)
+                tensors = _make_inputs(cfg, device)
+                t0 = time.perf_counter()
+                ref = reference_grads(*tensors, cfg.causal)
+                entry["reference_s"] = round(time.perf_counter() - t0, 3)
+            except Exception as e:
+                err = _short_error(e)
+                if device.type == "cuda" and _is_sticky_cuda_error(e) and not sticky:
+                    sticky = f"CUDA context unusable after an earlier error: {err}"
+                entry["error"] = f"inputs/reference failed: {err}"
+                for im in runnable:
+                    entry["impls"][im.name] = {"status": "error", "error": entry["error"]}
+                    done += 1
+                    bar.step(f"{cfg.key()} {im.name}")
+                tensors = ref = None
+                _cleanup(device)
+                doc["results"].append(entry)
+                if on_config_done:
+                    on_config_done(doc)
+                continue
+            for im in runnable:
+                elapsed = time.perf_counter() - t_start
+                left = n_items - done
+                if sticky:
+                    r = {"status": "error", "error": sticky}
+                elif time_budget_s is not None and elapsed > 1.15 * time_budget_s:
+                    r = {"status": "skipped",
+                         "reason": f"suite time budget of {time_budget_s:.0f}s exhausted"}
+                else:
+                    if time_budget_s is None:
+                        budget = 0.3
+                    else:
+                        budget = max(0.03, min(3.0, (time_budget_s - elapsed) / max(1, left)))
+                    try:
+                        r = measure(im, cfg, tensors, ref, device, budget, timer=timer)
+                    except Exception as e:
+                        r = {"status": "error", "error": _short_error(e)}
+                        if device.type == "cuda" and _is_sticky_cuda_error(e):
+                            sticky = f"CUDA context unusable after an earlier error ({im.name}): {r['error']}"
+                    finally:
+                        tensors[0].grad = tensors[1].grad = tensors[2].grad = None
+                        _cleanup(device)
+                entry["impls"][im.name] = r
+                done += 1
+                bar.step(f"{cfg.key()} {im.name}")
+            entry["speedup"] = _speedups(entry["impls"])
+            del tensors, ref
+            _cleanup(device)
+            doc["results"].append(entry)
+            if on_config_done:
+                on_config_done(doc)
+    finally:
+        bar.close()
+        doc["metadata"]["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+    return doc
+
+
+def _speedups(results: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[float]]]:
+    """speedup[X][phase] = time(X) / time(flashv100): > 1 means flashv100 is faster."""
+    fl = results.get(FLASH, {})
+    out: Dict[str, Dict[str, Optional[float]]] = {}
+    if fl.get("status") != "ok":
+        return out
+    for name, r in results.items():
+        if name == FLASH or r.get("status") != "ok":
+            continue
+        out[name] = {}
+        for ph in ("fwd", "bwd", "fwdbwd"):
+            a, b = r.get(f"{ph}_ms"), fl.get(f"{ph}_ms")
+            out[name][ph] = (a / b) if (a and b) else None
+    return out
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dt, str(dt))

@@ -1,0 +1,89 @@
+"""``python -m torch_flash_v100`` on CPU: help, info, the demo, bench, explain. No timing checks."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=600, cwd=None):
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a GPU machine
+    r = subprocess.run([sys.executable, "-m", "torch_flash_v100", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=str(cwd or ROOT), env=env)
+    return r
+
+
+def has_compile():
+    try:
+        import torch_flash_v100.compile as c
+        return hasattr(c, "backend")
+    except Exception:
+        return False
+
+
+def test_help():
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    for cmd in ("demo", "bench", "info", "explain", "e2e"):
+        assert cmd in r.stdout
+    r = run_cli("bench", "--help")
+    assert r.returncode == 0 and "--suite" in r.stdout and "--json" in r.stdout and "--plot" in r.stdout
+
+
+def test_version():
+    import torch_flash_v100
+
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == torch_flash_v100.__version__
+
+
+def test_info():
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "kernel path: cpu" in r.stdout
+    assert "torch_version" in r.stdout and "SDPA backends" in r.stdout
+
+
+def test_demo_cpu():
+    args = ["demo", "--device", "cpu"] + ([] if has_compile() else ["--no-compile"])
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "kernel path: cpu" in out
+    assert "accuracy" in out and "flashv100" in out and "SDPA" in out
+    assert "speed and memory" in out and "naive" in out
+    assert "error:" not in out
+    if has_compile():
+        assert "attention sites fused by the pass: 2 of 2" in out
+
+
+def test_no_args_runs_demo():
+    from torch_flash_v100 import cli
+
+    p = cli.build_parser()
+    assert p.parse_args([]).command is None
+
+
+def test_bench_tiny(tmp_path):
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    r = run_cli("bench", "--suite", "tiny", "--device", "cpu", "--json", str(js), "--plot", str(png),
+                "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "| config | impl |" in r.stdout
+    doc = json.loads(js.read_text())
+    assert doc["suite"] == "tiny" and doc["metadata"]["device"] == "cpu"
+    assert all(e["impls"]["flashv100"]["status"] == "ok" for e in doc["results"])
+    pytest.importorskip("matplotlib")
+    assert png.exists() and png.stat().st_size > 1000
+
+
+@pytest.mark.skipif(not has_compile(), reason="torch_flash_v100.compile not available yet")
+def test_explain():
+    r = run_cli("explain", "--device", "cpu", "--inference")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gpt2-style" in r.stdout and "fused attention sites" in r.stdout
