@@ -1,5 +1,40 @@
 // The static sm_70 gate's translation unit (scripts/nvrtc_gate.py): includes every device-only
 // kernel header and instantiates every kernel configuration the launchers can launch, so NVRTC
 // reports registers, spills and shared memory for each. Dynamic shared memory is invisible to
-// ptxas: configurations assert their own budget with static_assert.
+// ptxas: each configuration asserts its own budget (configs.cuh, static_assert <= 96 KB).
+// Only NVRTC compiles it: in the extension build (nvcc) this translation unit is empty, the
+// launchers instantiate the same kernels through kernel dispatch.
+#if defined(__CUDACC_RTC__)
 #include "cuda/kernels/dropout_mask.cuh"
+#include "cuda/kernels/flash_bwd.cuh"
+#include "cuda/kernels/flash_fwd.cuh"
+
+namespace flashv100 {
+namespace kern {
+
+#define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)                                       \
+  template __global__ void flash_fwd_kernel<Atom, Elem, D>(const ForwardParams);             \
+  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D>(const BackwardParams,        \
+                                                                const float*, float*);       \
+  template __global__ void flash_bwd_dq_kernel<Atom, Elem, D>(const BackwardParams, const float*);
+
+#define FLASHV100_INSTANTIATE_VOLTA_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(VoltaAtom, Fp16, D)
+#define FLASHV100_INSTANTIATE_AMPERE_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Fp16, D)
+#define FLASHV100_INSTANTIATE_AMPERE_BF16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Bf16, D)
+
+template __global__ void flash_bwd_dsum_kernel<Fp16>(const BackwardParams, float*);
+template __global__ void flash_bwd_dq_convert_kernel<Fp16>(const BackwardParams, const float*);
+FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_VOLTA_FP16)
+
+// The launcher picks the Ampere atom (and allows bf16) only on sm_80 and newer.
+#if __CUDA_ARCH__ >= 800
+template __global__ void flash_bwd_dsum_kernel<Bf16>(const BackwardParams, float*);
+template __global__ void flash_bwd_dq_convert_kernel<Bf16>(const BackwardParams, const float*);
+FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
+FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_BF16)
+#endif
+
+}  // namespace kern
+}  // namespace flashv100
+
+#endif  // __CUDACC_RTC__

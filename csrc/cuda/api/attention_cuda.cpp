@@ -1,0 +1,135 @@
+// CUDA implementations of the flashv100 internal ops: checks, device guard, output allocation,
+// choice between the fused kernels (atom by compute capability) and the ATen math fallback.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+
+#include "cuda/api/launch.h"
+#include "kernel_path.h"
+#include "tensor_params.h"
+
+namespace flashv100 {
+namespace cuda {
+
+void debug_log(const char* op, const char* path, const char* reason) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FLASHV100_DEBUG");
+    return v != nullptr && std::strcmp(v, "0") != 0 && std::strcmp(v, "") != 0;
+  }();
+  if (enabled) std::fprintf(stderr, "[flashv100] %s: %s%s%s\n", op, path, reason ? ": " : "",
+                            reason ? reason : "");
+}
+
+namespace {
+
+MmaAtom atom_of(const at::Tensor& t) {
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, t.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, t.get_device()));
+  return mma_atom_for(major, minor);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t causal_mode,
+    double scale) {
+  constexpr const char* op = "flashv100._attention_forward";
+  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, causal_mode);
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor out = allocate_out(query, value);
+  at::Tensor lse = allocate_lse(query);
+  at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query)
+                                         : at::zeros({2}, query.options().dtype(at::kLong));
+  const MmaAtom atom = atom_of(query);
+  const char* reason = fused_unsupported_reason(atom, query, key, value, attn_mask, dropout_p,
+                                                {&query, &key, &value, &out});
+  if (reason == nullptr) {
+    debug_log(op, mma_atom_name(atom), nullptr);
+    run_fused_forward(atom, query.scalar_type(),
+                      make_forward_params(query, key, value, attn_mask, out, lse, scale,
+                                          causal_mode, dropout_p));
+  } else {
+    debug_log(op, "math fallback", reason);
+    fallback_forward(query, key, value, attn_mask, dropout_p, causal_mode, scale, rng_state, out,
+                     lse);
+  }
+  return {out, lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& rng_state, double dropout_p, int64_t causal_mode,
+    double scale, bool mask_requires_grad, bool deterministic) {
+  constexpr const char* op = "flashv100._attention_backward";
+  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, causal_mode);
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
+                  grad_out.stride(-1) == 1,
+              op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim, got ",
+              grad_out.sizes(), " ", grad_out.scalar_type());
+  TORCH_CHECK(out.device() == query.device() && lse.device() == query.device() &&
+                  grad_out.device() == query.device(),
+              op, ": expected grad_out, out and lse on ", query.device());
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef({query.size(0), query.size(1), query.size(2)}), op,
+              ": expected lse [B, Hq, L] as returned by _attention_forward, got ", lse.sizes());
+  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong, op,
+              ": expected rng_state int64[2] as returned by _attention_forward, got ",
+              rng_state.scalar_type(), rng_state.sizes());
+  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
+              op, ": mask_requires_grad needs an additive (floating) attn_mask");
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key),
+             grad_value = at::empty_like(value);
+  at::Tensor grad_mask = at::empty({0}, query.options());
+  const MmaAtom atom = atom_of(query);
+  const char* reason =
+      fused_unsupported_reason(atom, query, key, value, attn_mask, dropout_p,
+                               {&query, &key, &value, &out, &grad_out, &grad_query, &grad_key,
+                                &grad_value});
+  if (reason == nullptr && lse.scalar_type() != at::kFloat) reason = "lse is not fp32";
+  if (reason == nullptr) {
+    debug_log(op, mma_atom_name(atom), deterministic ? "deterministic" : nullptr);
+    const at::Tensor lse_c = lse.contiguous();
+    run_fused_backward(atom, query.scalar_type(),
+                       make_backward_params(grad_out, query, key, value, attn_mask, out, lse_c,
+                                            scale, causal_mode, dropout_p, grad_query, grad_key,
+                                            grad_value, at::Tensor(), deterministic));
+  } else {
+    debug_log(op, "math fallback", reason);
+    const at::Tensor grad_mask_full = fallback_backward(
+        grad_out, query, key, value, attn_mask, dropout_p, causal_mode, scale, rng_state,
+        mask_requires_grad, grad_query, grad_key, grad_value);
+    if (mask_requires_grad) grad_mask = reduce_mask_grad(grad_mask_full, *attn_mask);
+  }
+  return {grad_query, grad_key, grad_value, grad_mask};
+}
+
+at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                             int64_t len_q, int64_t len_kv, double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
+              "flashv100._dropout_mask: expected dropout_p in [0, 1), got ", dropout_p);
+  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong &&
+                  rng_state.is_contiguous(),
+              "flashv100._dropout_mask: expected rng_state int64[2], got ",
+              rng_state.scalar_type(), rng_state.sizes());
+  const c10::cuda::CUDAGuard guard(rng_state.device());
+  return dropout_keep_mask(rng_state, batch, heads, len_q, len_kv, dropout_p);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashv100, CUDA, m) {
+  m.impl("_attention_forward", TORCH_FN(attention_forward_cuda));
+  m.impl("_attention_backward", TORCH_FN(attention_backward_cuda));
+  m.impl("_dropout_mask", TORCH_FN(dropout_mask_cuda));
+}
+
+}  // namespace cuda
+}  // namespace flashv100

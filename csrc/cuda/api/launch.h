@@ -1,0 +1,50 @@
+// Host-side entry points of the CUDA launchers (no kernels here): fused kernels over the plain
+// parameter structs, the dropout-mask kernel, and the ATen math fallback.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "common/params.h"
+#include "kernel_path.h"
+
+namespace flashv100 {
+namespace cuda {
+
+// Why the fused kernels cannot run this problem (nullptr when they can). `tensors` are every
+// 16-bit tensor the kernels address (alignment and stride checks).
+const char* fused_unsupported_reason(MmaAtom atom, const at::Tensor& query, const at::Tensor& key,
+                                     const at::Tensor& value,
+                                     const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                     std::initializer_list<const at::Tensor*> tensors);
+
+// Fused kernels on the current stream of the tensors' device (the caller holds a device guard).
+void run_fused_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
+void run_fused_backward(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p);
+
+// rng_state = {seed, offset} from PyTorch's CUDA generator, written by a kernel (graph-safe).
+at::Tensor next_rng_state(const at::Tensor& like);
+// keep mask [B, H, L, S] (bool) of philox.h for rng_state.
+at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                             int64_t len_q, int64_t len_kv, double dropout_p);
+
+// ATen math with the ops' semantics (fp32, or fp64 for fp64 inputs): any dtype, head dim, mask,
+// dropout. Writes into the given outputs.
+void fallback_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                      int64_t causal_mode, double scale, const at::Tensor& rng_state,
+                      const at::Tensor& out, const at::Tensor& lse);
+// Returns grad_mask_full ([B, Hq, L, S] in the compute dtype) when mask_requires_grad.
+at::Tensor fallback_backward(const at::Tensor& grad_out, const at::Tensor& query,
+                             const at::Tensor& key, const at::Tensor& value,
+                             const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                             int64_t causal_mode, double scale, const at::Tensor& rng_state,
+                             bool mask_requires_grad, const at::Tensor& grad_query,
+                             const at::Tensor& grad_key, const at::Tensor& grad_value);
+
+// FLASHV100_DEBUG=1: one stderr line per op call saying which path ran and why.
+void debug_log(const char* op, const char* path, const char* reason);
+
+}  // namespace cuda
+}  // namespace flashv100

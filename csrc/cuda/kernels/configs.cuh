@@ -1,0 +1,94 @@
+// Compiled tile configurations, one per head-dim bucket. Every head dim d (multiple of 8, <= 256)
+// runs in the smallest bucket >= d with the columns beyond d zero-filled in shared memory.
+// All warp tiles are multiples of 16x16 so both atoms (16x16x4 Volta, 16x8x16 Ampere) fit.
+// Shared memory per block is static per config and stays within Volta's 96 KB (static_asserts).
+#pragma once
+
+#include "cuda/kernels/warp_tile.cuh"
+
+namespace flashv100 {
+namespace kern {
+
+// The compiled head-dim buckets; launchers and the NVRTC gate enumerate them through this list.
+#define FLASHV100_FOR_EACH_HEAD_DIM(X) X(32) X(64) X(128) X(256)
+
+constexpr int kVoltaMaxSmemBytes = 96 * 1024;
+constexpr int kSmemPad = 8;  // 16 bytes of row padding against bank conflicts
+
+constexpr __host__ __device__ int head_dim_bucket(int d) {
+  return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
+}
+
+// Forward: each warp owns kBlockM / kWarps query rows and the whole key tile.
+template <int kHeadDim> struct FwdTile;
+template <> struct FwdTile<32> { static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4; };
+template <> struct FwdTile<64> { static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4; };
+template <> struct FwdTile<128> { static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4; };
+template <> struct FwdTile<256> { static constexpr int kBlockM = 64, kBlockN = 16, kWarps = 4; };
+
+template <int kHeadDim_>
+struct FwdConfig : FwdTile<kHeadDim_> {
+  using T = FwdTile<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kThreads = T::kWarps * 32;
+  static constexpr int kWarpRows = T::kBlockM / T::kWarps;
+  static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K: [rows][head dim]
+  static constexpr int kLdVt = T::kBlockN + kSmemPad;   // V stored transposed: [head dim][keys]
+  static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + T::kBlockM * kLdQK;
+  static constexpr int kVtOffset = kKOffset + T::kBlockN * kLdQK;
+  static constexpr int kPOffset = kVtOffset + kHeadDim * kLdVt;
+  static constexpr int kSmemBytes = (kPOffset + T::kBlockM * kLdP) * 2;
+  static_assert(kSmemBytes <= kVoltaMaxSmemBytes, "forward tile exceeds Volta shared memory");
+};
+
+// Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N], dK/dV [N x E]
+// and dQ [M x kDqCols] (dQ is produced kDqCols head-dim columns at a time to bound registers).
+template <int kHeadDim> struct BwdTile;
+template <> struct BwdTile<32> {
+  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kWarpsNS = 1, kWarpsNKV = 1,
+                       kWarpsNQ = 1, kDqCols = 32;
+};
+template <> struct BwdTile<64> {
+  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kWarpsNS = 1, kWarpsNKV = 1,
+                       kWarpsNQ = 1, kDqCols = 64;
+};
+template <> struct BwdTile<128> {
+  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 8, kWarpsNS = 2, kWarpsNKV = 2,
+                       kWarpsNQ = 2, kDqCols = 128;
+};
+template <> struct BwdTile<256> {
+  static constexpr int kBlockM = 32, kBlockN = 32, kWarps = 4, kWarpsNS = 2, kWarpsNKV = 2,
+                       kWarpsNQ = 2, kDqCols = 64;
+};
+
+template <int kHeadDim_>
+struct BwdConfig : BwdTile<kHeadDim_> {
+  using T = BwdTile<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kThreads = T::kWarps * 32;
+  // Warp tiles of the three products.
+  static constexpr int kSRows = T::kBlockM / (T::kWarps / T::kWarpsNS);
+  static constexpr int kSCols = T::kBlockN / T::kWarpsNS;
+  static constexpr int kKVRows = T::kBlockN / (T::kWarps / T::kWarpsNKV);
+  static constexpr int kKVCols = kHeadDim / T::kWarpsNKV;
+  static constexpr int kQRows = T::kBlockM / (T::kWarps / T::kWarpsNQ);
+  static constexpr int kQCols = T::kDqCols / T::kWarpsNQ;
+  static constexpr int kQColsFull = kHeadDim / T::kWarpsNQ;  // the dQ-only kernel keeps all of dQ
+  // Shared memory: K, V, Q, dO [rows][head dim]; P, dS [query rows][keys]; lse, D per query row.
+  static constexpr int kLdE = kHeadDim + kSmemPad;
+  static constexpr int kLdN = T::kBlockN + kSmemPad;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + T::kBlockN * kLdE;
+  static constexpr int kQOffset = kVOffset + T::kBlockN * kLdE;
+  static constexpr int kDOOffset = kQOffset + T::kBlockM * kLdE;
+  static constexpr int kPOffset = kDOOffset + T::kBlockM * kLdE;
+  static constexpr int kDSOffset = kPOffset + T::kBlockM * kLdN;
+  static constexpr int kRowVecByteOffset = (kDSOffset + T::kBlockM * kLdN) * 2;
+  static constexpr int kSmemBytes = kRowVecByteOffset + 2 * T::kBlockM * 4;
+  static_assert(kSmemBytes <= kVoltaMaxSmemBytes, "backward tile exceeds Volta shared memory");
+};
+
+}  // namespace kern
+}  // namespace flashv100

@@ -1,0 +1,135 @@
+// FlashAttention-2 forward: one block per (query tile, batch*head). Q stays in shared memory, K/V
+// tiles stream through it; S and the fp32 O accumulator live in registers, the online softmax runs
+// in fp32 on the accumulator map. P goes through a warp-private shared tile to become the A operand
+// of P.V (the accumulator and A-operand layouts differ on Volta).
+#pragma once
+
+#include "cuda/kernels/attention_common.cuh"
+#include "cuda/kernels/tile_io.cuh"
+
+namespace flashv100 {
+namespace kern {
+
+template <class Atom, class Elem, int kHeadDim>
+__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
+    flash_fwd_kernel(const ForwardParams p) {
+  using Cfg = FwdConfig<kHeadDim>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  constexpr int kWarpRows = Cfg::kWarpRows;
+  using SAcc = WarpAccum<Atom, kWarpRows, kBlockN>;
+  using OAcc = WarpAccum<Atom, kWarpRows, kHeadDim>;
+  constexpr int kFragM = SAcc::kFragM, kSlots = Atom::kRowSlots;
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* smem = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sQ = smem + Cfg::kQOffset;
+  uint16_t* sK = smem + Cfg::kKOffset;
+  uint16_t* sVt = smem + Cfg::kVtOffset;
+  uint16_t* sP = smem + Cfg::kPOffset;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const AttentionShape& shape = p.shape;
+  const Visibility vis(p);
+  const int d = static_cast<int>(shape.head_dim);
+  const int m0 = blockIdx.x * kBlockM;
+  const int warp_row0 = warp * kWarpRows;
+  const int64_t b = blockIdx.y / shape.heads_q, h = blockIdx.y % shape.heads_q;
+  const int64_t hk = kv_head_of(h, shape.heads_q, shape.heads_kv);
+  const uint16_t* k_head = head_ptr(p.k, p.k_strides, b, hk, 0);
+  const uint16_t* v_head = head_ptr(p.v, p.v_strides, b, hk, 0);
+
+  load_tile<kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK, head_ptr(p.q, p.q_strides, b, h, m0),
+                                         p.q_strides.row, vis.len_q - m0, d, tid);
+
+  OAcc o;
+  o.zero();
+  float row_max[kFragM][kSlots], row_sum[kFragM][kSlots];
+#pragma unroll
+  for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) row_max[fm][s] = neg_inf(), row_sum[fm][s] = 0.0f;
+
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const int k_extent = round_up(d, Atom::kK);
+  const int n_extent = round_up(d, Atom::kN);
+  const KMajor q_op{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
+  const KMajor k_op{sK, Cfg::kLdQK};
+  const KMajor p_op{sP + warp_row0 * Cfg::kLdP, Cfg::kLdP};
+  const KMajor vt_op{sVt, Cfg::kLdVt};
+
+  const int key_end = vis.key_end(m0 + kBlockM);
+  for (int n0 = 0; n0 < key_end; n0 += kBlockN) {
+    __syncthreads();  // the previous K/V tile is fully consumed
+    const int keys_valid = vis.len_kv - n0;
+    load_tile<kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
+                                           p.k_strides.row, keys_valid, d, tid);
+    load_tile<kBlockN, kHeadDim, kThreads, true>(sVt, Cfg::kLdVt, v_head + n0 * p.v_strides.row,
+                                                 p.v_strides.row, keys_valid, d, tid);
+    __syncthreads();
+
+    SAcc s;
+    s.zero();
+    warp_gemm<Atom, Elem>(s, q_op, k_op, k_extent, kBlockN, lane);
+
+    // Scores in log2 units; invisible keys -> -inf.
+    const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, n0, kBlockN);
+    s.for_each(lane, [&](int, int, int r, int c, float& x) {
+      x = (needs_mask && !vis.visible(m0 + warp_row0 + r, n0 + c)) ? neg_inf() : x * scale_log2;
+    });
+
+    // Online softmax: new running max per row, rescale what was accumulated so far.
+    float tile_max[kFragM][kSlots];
+#pragma unroll
+    for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+      for (int sl = 0; sl < kSlots; ++sl) tile_max[fm][sl] = neg_inf();
+    s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
+      tile_max[fm][sl] = fmaxf(tile_max[fm][sl], x);
+    });
+    float base[kFragM][kSlots], alpha[kFragM][kSlots];
+#pragma unroll
+    for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+      for (int sl = 0; sl < kSlots; ++sl) {
+        const float m_new = fmaxf(row_max[fm][sl], row_allreduce_max<Atom>(tile_max[fm][sl]));
+        // A row that has seen no visible key yet keeps max -inf; exponentiate against 0 so that
+        // exp2(-inf - base) stays 0 instead of NaN.
+        base[fm][sl] = m_new == neg_inf() ? 0.0f : m_new;
+        alpha[fm][sl] = fast_exp2(row_max[fm][sl] - base[fm][sl]);
+        row_max[fm][sl] = m_new;
+        row_sum[fm][sl] *= alpha[fm][sl];
+      }
+    s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
+      x = fast_exp2(x - base[fm][sl]);
+      row_sum[fm][sl] += x;
+    });
+    o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
+
+    store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, 0, lane);
+    __syncwarp();
+    warp_gemm<Atom, Elem>(o, p_op, vt_op, kBlockN, n_extent, lane);
+    __syncwarp();  // P is rewritten by the next tile
+  }
+
+  // Epilogue: O / l and lse = ln(sum exp(scaled scores)); rows with no visible key: 0 and -inf.
+  float inv_sum[kFragM][kSlots];
+  const int rows_valid = vis.len_q - m0 - warp_row0;
+#pragma unroll
+  for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+    for (int sl = 0; sl < kSlots; ++sl) {
+      const float l = row_allreduce_sum<Atom>(row_sum[fm][sl]);
+      inv_sum[fm][sl] = l > 0.0f ? 1.0f / l : 0.0f;
+      const int r = OAcc::row_of(lane, fm, sl);
+      if (is_row_leader<Atom>(lane) && r < rows_valid) {
+        p.lse[blockIdx.y * shape.len_q + m0 + warp_row0 + r] =
+            l > 0.0f ? (row_max[fm][sl] + log2f(l)) * kLn2 : neg_inf();
+      }
+    }
+  store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, m0 + warp_row0),
+                           p.out_strides.row, rows_valid, d, lane,
+                           [&](int fm, int sl) { return inv_sum[fm][sl]; });
+}
+
+}  // namespace kern
+}  // namespace flashv100

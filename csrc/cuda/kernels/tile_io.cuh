@@ -1,0 +1,73 @@
+// Moving tiles between global memory, shared memory and warp accumulators. Global rows are
+// addressed with 64-bit strides; the launcher guarantees 16-byte aligned rows (pointer and
+// batch/head/row strides multiples of 8 elements) and a head dim that is a multiple of 8.
+#pragma once
+
+#include "cuda/kernels/warp_tile.cuh"
+
+namespace flashv100 {
+namespace kern {
+
+// Copies rows [0, rows_valid) x cols [0, cols_valid) of a global 16-bit matrix into a kRows x kCols
+// shared tile (row stride ld), zero-filling the rest so that padding contributes nothing to any
+// product. kTranspose stores the tile transposed (smem[col * ld + row]).
+template <int kRows, int kCols, int kThreads, bool kTranspose = false>
+__device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t* gmem,
+                                          int64_t row_stride, int rows_valid, int cols_valid,
+                                          int tid) {
+  constexpr int kVecPerRow = kCols / 8;
+  constexpr int kVecs = kRows * kVecPerRow;
+#pragma unroll
+  for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
+    const int idx = it * kThreads + tid;
+    if (kVecs % kThreads != 0 && idx >= kVecs) break;
+    const int r = idx / kVecPerRow;
+    const int c = (idx % kVecPerRow) * 8;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r < rows_valid && c < cols_valid)
+      v = __ldg(reinterpret_cast<const uint4*>(gmem + r * row_stride + c));
+    if constexpr (!kTranspose) {
+      *reinterpret_cast<uint4*>(smem + r * ld + c) = v;
+    } else {
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        smem[(c + 2 * x) * ld + r] = static_cast<uint16_t>(words[x] & 0xffffu);
+        smem[(c + 2 * x + 1) * ld + r] = static_cast<uint16_t>(words[x] >> 16);
+      }
+    }
+  }
+}
+
+// Loads n floats (rows [0, n_valid), `fill` beyond) of a per-row vector into shared memory.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void load_row_vector(float* smem, const float* gmem, int n_valid,
+                                                float multiplier, float fill, int tid) {
+  for (int r = tid; r < kRows; r += kThreads) smem[r] = r < n_valid ? gmem[r] * multiplier : fill;
+}
+
+// Writes a warp accumulator (converted to Elem) into a shared tile at (row0, col0), ld elements.
+template <class Elem, class Acc>
+__device__ __forceinline__ void store_accum_smem(const Acc& acc, uint16_t* smem, int ld, int row0,
+                                                 int col0, int lane) {
+  acc.for_each_pair(lane, [&](int, int, int r, int c, float v0, float v1) {
+    *reinterpret_cast<uint32_t*>(smem + (row0 + r) * ld + col0 + c) = pack2<Elem>(v0, v1);
+  });
+}
+
+// Writes a warp accumulator tile to global memory (tile origin `gmem`), rows < rows_valid and
+// cols < cols_valid only, each value multiplied by row_scale(fm, slot).
+template <class Elem, class Acc, class RowScale>
+__device__ __forceinline__ void store_accum_global(const Acc& acc, uint16_t* gmem,
+                                                   int64_t row_stride, int rows_valid,
+                                                   int cols_valid, int lane, RowScale row_scale) {
+  acc.for_each_pair(lane, [&](int fm, int slot, int r, int c, float v0, float v1) {
+    if (r < rows_valid && c < cols_valid) {
+      const float s = row_scale(fm, slot);
+      *reinterpret_cast<uint32_t*>(gmem + r * row_stride + c) = pack2<Elem>(v0 * s, v1 * s);
+    }
+  });
+}
+
+}  // namespace kern
+}  // namespace flashv100

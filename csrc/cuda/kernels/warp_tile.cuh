@@ -1,0 +1,141 @@
+// Warp tiles above the atoms: a warp's fp32 accumulator tile with its coordinate map, shared-memory
+// operands, the warp GEMM and row reductions. Masking, softmax and epilogues use only these.
+#pragma once
+
+#include "cuda/kernels/mma_atoms.cuh"
+
+namespace flashv100 {
+namespace kern {
+
+// A 16-bit matrix in shared memory, row-major with leading dimension `ld` (elements), read as a
+// GEMM operand X(m, k). kKContiguous: X(m, k) = base[m * ld + k] (pairs along k are one 32-bit
+// load); otherwise the operand is the transpose of the stored matrix, X(m, k) = base[k * ld + m].
+template <bool kKContiguous>
+struct SmemOperand {
+  const uint16_t* base;
+  int ld;
+
+  __device__ __forceinline__ uint32_t pair(int m, int k) const {
+    if constexpr (kKContiguous) {
+      return *reinterpret_cast<const uint32_t*>(base + m * ld + k);
+    } else {
+      return static_cast<uint32_t>(base[k * ld + m]) |
+             (static_cast<uint32_t>(base[(k + 1) * ld + m]) << 16);
+    }
+  }
+  // The operand starting at row m0 (m is the non-reduced dimension).
+  __device__ __forceinline__ SmemOperand rows_from(int m0) const {
+    return SmemOperand{kKContiguous ? base + m0 * ld : base + m0, ld};
+  }
+};
+using KMajor = SmemOperand<true>;
+using MMajor = SmemOperand<false>;
+
+// One warp's kRows x kCols fp32 accumulator, made of kFragM x kFragN atom tiles.
+template <class Atom, int kRows, int kCols>
+struct WarpAccum {
+  static_assert(kRows % Atom::kM == 0 && kCols % Atom::kN == 0, "warp tile must fit the atom");
+  static constexpr int kFragM = kRows / Atom::kM;
+  static constexpr int kFragN = kCols / Atom::kN;
+  float c[kFragM][kFragN][Atom::kCRegs];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+      for (int fn = 0; fn < kFragN; ++fn)
+#pragma unroll
+        for (int i = 0; i < Atom::kCRegs; ++i) c[fm][fn][i] = 0.0f;
+  }
+
+  // Row (within the warp tile) of row slot `slot` of fragment row fm.
+  static __device__ __forceinline__ int row_of(int lane, int fm, int slot) {
+    return fm * Atom::kM + Atom::slot_row(lane, slot);
+  }
+  static __device__ __forceinline__ int col_of(int lane, int fn, int i) {
+    return fn * Atom::kN + Atom::c_col(lane, i);
+  }
+
+  // f(fm, slot, row, col, value&) for every element this lane holds.
+  template <class F>
+  __device__ __forceinline__ void for_each(int lane, F&& f) {
+#pragma unroll
+    for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+      for (int fn = 0; fn < kFragN; ++fn)
+#pragma unroll
+        for (int i = 0; i < Atom::kCRegs; ++i) {
+          const int slot = Atom::row_slot(i);
+          f(fm, slot, row_of(lane, fm, slot), col_of(lane, fn, i), c[fm][fn][i]);
+        }
+  }
+
+  // f(row, col, value_at_col, value_at_col_plus_1) for each horizontal pair (2k, 2k+1).
+  template <class F>
+  __device__ __forceinline__ void for_each_pair(int lane, F&& f) const {
+#pragma unroll
+    for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+      for (int fn = 0; fn < kFragN; ++fn)
+#pragma unroll
+        for (int i = 0; i < Atom::kCRegs; i += 2) {
+          f(fm, Atom::row_slot(i), row_of(lane, fm, Atom::row_slot(i)), col_of(lane, fn, i),
+            c[fm][fn][i], c[fm][fn][i + 1]);
+        }
+  }
+};
+
+// acc += A * B with A(m, k) over the warp tile's rows and B addressed as (n, k) over its columns.
+// k_extent (a multiple of Atom::kK) bounds the reduction; column fragments at or beyond n_extent
+// are skipped (they only cover head-dim padding).
+template <class Atom, class Elem, class Acc, class AOp, class BOp>
+__device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
+                                          int n_extent, int lane) {
+#pragma unroll 1
+  for (int k0 = 0; k0 < k_extent; k0 += Atom::kK) {
+    uint32_t af[Acc::kFragM][Atom::kARegs];
+#pragma unroll
+    for (int fm = 0; fm < Acc::kFragM; ++fm)
+#pragma unroll
+      for (int j = 0; j < Atom::kARegs; ++j)
+        af[fm][j] = a.pair(fm * Atom::kM + Atom::a_row(lane, j), k0 + Atom::a_col(lane, j));
+#pragma unroll
+    for (int fn = 0; fn < Acc::kFragN; ++fn) {
+      if (fn * Atom::kN >= n_extent) continue;
+      uint32_t bf[Atom::kBRegs];
+#pragma unroll
+      for (int j = 0; j < Atom::kBRegs; ++j)
+        bf[j] = b.pair(fn * Atom::kN + Atom::b_col(lane, j), k0 + Atom::b_k(lane, j));
+#pragma unroll
+      for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::template mma<Elem>(acc.c[fm][fn], af[fm], bf);
+    }
+  }
+}
+
+// Reductions over the lanes that hold the same accumulator row.
+template <class Atom>
+__device__ __forceinline__ float row_allreduce_max(float x) {
+#pragma unroll
+  for (int bit = 1; bit < 32; bit <<= 1)
+    if (Atom::kRowLaneMask & bit) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, bit));
+  return x;
+}
+
+template <class Atom>
+__device__ __forceinline__ float row_allreduce_sum(float x) {
+#pragma unroll
+  for (int bit = 1; bit < 32; bit <<= 1)
+    if (Atom::kRowLaneMask & bit) x += __shfl_xor_sync(0xffffffffu, x, bit);
+  return x;
+}
+
+// The one lane of each row group that writes per-row results.
+template <class Atom>
+__device__ __forceinline__ bool is_row_leader(int lane) {
+  return (lane & Atom::kRowLaneMask) == 0;
+}
+
+constexpr __host__ __device__ int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+}  // namespace kern
+}  // namespace flashv100

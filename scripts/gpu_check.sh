@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU check, run from the repo root on a machine with a CUDA GPU:
+#   build (editable, TORCH_CUDA_ARCH_LIST default 9.0) -> GPU tests -> the rest of the test suite
+#   -> compute-sanitizer memcheck + racecheck on odd shapes (both atoms) -> short benchmark.
+# Writes gpu_check.log, junit XML, summary.json and bench.json to $OUT (default ./gpu_results).
+# Exits non-zero if any step fails or if no GPU test ran (a silently skipped GPU suite is a failure).
+# STEPS=build,gpu_tests,tests,sanitize,bench selects steps (default: all).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-./gpu_results}"
+mkdir -p "$OUT_DIR"
+exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+STEPS="${STEPS:-build,gpu_tests,tests,sanitize,bench}"
+PY="${PYTHON:-python}"
+declare -A RESULT=()
+
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+run_step() {  # run_step NAME CMD...: records pass/fail and wall time
+  local name=$1 start=$SECONDS
+  shift
+  echo "==== $name: $* ($(date -u +%H:%M:%S))"
+  if "$@"; then RESULT[$name]=pass; else RESULT[$name]=fail; fi
+  echo "==== $name: ${RESULT[$name]} in $((SECONDS - start)) s"
+}
+
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv || true
+want build && run_step build "$PY" -m pip install --no-build-isolation --no-deps -e .
+if want gpu_tests; then
+  run_step gpu_tests "$PY" -m pytest -q -m cuda tests --junitxml="$OUT_DIR/gpu_tests.xml" \
+    -p no:cacheprovider
+fi
+if want tests; then
+  run_step tests "$PY" -m pytest -q -m "not cuda" tests --junitxml="$OUT_DIR/tests.xml" \
+    -p no:cacheprovider
+fi
+if want sanitize; then
+  SAN="compute-sanitizer --error-exitcode 1 --kernel-name kns=flash"
+  run_step memcheck $SAN --tool memcheck "$PY" scripts/sanitize_kernels.py
+  run_step racecheck $SAN --tool racecheck --racecheck-report hazard "$PY" scripts/sanitize_kernels.py
+fi
+want bench && run_step bench "$PY" scripts/bench_kernels.py --json "$OUT_DIR/bench.json"
+
+# Summary: step results and GPU test counts; a GPU suite where nothing passed is a failure.
+STEP_RESULTS="$(for k in "${!RESULT[@]}"; do echo "$k=${RESULT[$k]}"; done)"
+STEP_RESULTS="$STEP_RESULTS" "$PY" - "$OUT_DIR" <<'EOF'
+import json, os, sys
+import xml.etree.ElementTree as ET
+
+out = sys.argv[1]
+summary = {"steps": dict(l.split("=", 1) for l in os.environ["STEP_RESULTS"].split() if l)}
+for name in ("gpu_tests", "tests"):
+    path = os.path.join(out, f"{name}.xml")
+    if os.path.exists(path):
+        root = ET.parse(path).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        summary[name] = counts
+ok = all(v == "pass" for v in summary["steps"].values())
+if "gpu_tests" in summary["steps"] and summary.get("gpu_tests", {}).get("passed", 0) == 0:
+    summary["error"] = "no GPU test ran"
+    ok = False
+summary["ok"] = ok
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+print(json.dumps(summary, indent=1))
+sys.exit(0 if ok else 1)
+EOF

@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""A few odd shapes through the fused forward and backward on both atoms: the workload that
+scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck). Exits non-zero on a
+non-finite result; the sanitizer reports memory errors and shared-memory races itself."""
+import math
+import sys
+
+import torch
+
+import torch_flash_v100 as tfv
+
+SHAPES = [  # (B, Hq, Hkv, L, S, E, causal_mode)
+    (1, 2, 1, 1, 7, 8, 0),
+    (1, 2, 2, 33, 17, 40, 1),
+    (2, 2, 1, 17, 70, 136, 2),
+    (1, 1, 1, 65, 33, 256, 1),
+]
+
+
+def main() -> int:
+    ops = torch.ops.flashv100
+    bad = 0
+    for force_volta in (True, False):
+        with tfv.volta_atom(force_volta):
+            for b, hq, hkv, lq, lk, d, causal in SHAPES:
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q = torch.randn(b, hq, lq, d, device="cuda", dtype=torch.float16, generator=g)
+                k = torch.randn(b, hkv, lk, d, device="cuda", dtype=torch.float16, generator=g)
+                v = torch.randn(b, hkv, lk, d, device="cuda", dtype=torch.float16, generator=g)
+                scale = 1.0 / math.sqrt(d)
+                out, lse, rng = ops._attention_forward(q, k, v, None, 0.0, causal, scale)
+                dout = torch.randn_like(out)
+                for deterministic in (False, True):
+                    grads = ops._attention_backward(dout, q, k, v, None, out, lse, rng, 0.0, causal,
+                                                    scale, False, deterministic)
+                    torch.cuda.synchronize()
+                    if not all(torch.isfinite(t).all() for t in (out, *grads[:3])):
+                        print("non-finite result", force_volta, (b, hq, hkv, lq, lk, d, causal))
+                        bad += 1
+    print("sanitize workload done,", bad, "bad results")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
