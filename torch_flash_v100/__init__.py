@@ -14,6 +14,7 @@ import torch
 from . import _C  # noqa: F401  (loads the extension: registers the flashv100 ops)
 from . import _ops  # noqa: F401  (fake kernels and autograd)
 from .reference import reference_attention
+from .compile import backend, disable, enable  # noqa: F401  (torch.compile integration)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,185 @@
+"""torch.compile integration: rewrite real-world attention into ``flashv100.attention``.
+
+Two ways in:
+
+* ``torch_flash_v100.enable(force=False)`` installs :class:`FlashV100Pass` as Inductor's
+  ``pre_grad_custom_pass`` (chained with whatever pass was there), so a plain
+  ``torch.compile(model)`` rewrites; ``torch_flash_v100.disable()`` removes it again.
+* ``torch.compile(model, backend="flashv100")`` or ``backend=torch_flash_v100.backend(force=True)``
+  rewrites one model, then hands the graph to Inductor (or to another backend, see
+  :func:`backend`).
+
+The pass runs on the torch-level graph *before* autograd, so in training AOTAutograd derives the
+backward of the fused op itself (``flashv100._attention_backward``): no unfused O(L*S) backward
+is left behind.  By default only attention on CUDA devices of compute capability < 8.0 (V100, T4)
+is rewritten; ``force=True`` rewrites on every device, CPU included.
+
+Every rewritten site increments ``torch._dynamo.utils.counters["flashv100"]["fused_attention"]``.
+Every softmax/SDPA site considered is logged on the ``torch_flash_v100.compile`` logger (INFO),
+with the reason when it is not rewritten; ``TORCH_LOGS=flashv100`` turns that log on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._matcher import AttentionRewriter, device_supported, history, rewrite
+
+log = logging.getLogger("torch_flash_v100.compile")
+
+try:  # torch >= 2.4
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+except Exception:  # pragma: no cover
+    _PassBase = object
+
+__all__ = ["enable", "disable", "backend", "FlashV100Pass", "rewrite", "AttentionRewriter",
+           "is_enabled", "history"]
+
+_SOURCES = ("__init__.py", "_matcher.py", "_masks.py", "_ops.py")
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in _SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+_SOURCE_HASH = _source_hash()
+
+
+def _as_list(p: Any) -> list:
+    if p is None:
+        return []
+    if isinstance(p, (list, tuple)):
+        return list(p)
+    return [p]
+
+
+class FlashV100Pass(_PassBase):
+    """Inductor ``pre_grad_custom_pass``: the attention rewrite, then any previously set pass.
+
+    ``uuid()`` is stable (hash of this package's sources, ``force``, and the chained pass' uuid),
+    so Inductor's FX graph cache keeps working.
+    """
+
+    def __init__(self, force: bool = False, previous: Any = None):
+        self.force = bool(force)
+        self.previous = previous
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rewrite(graph, force=self.force)
+        for p in _as_list(self.previous):
+            p(graph)
+
+    def uuid(self) -> Optional[Any]:
+        parts = [_SOURCE_HASH, f"force={self.force}"]
+        for p in _as_list(self.previous):
+            u = p.uuid() if hasattr(p, "uuid") else None
+            if u is None:
+                return None  # the chained pass cannot be cached: neither can we
+            parts.append(repr(u))
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"FlashV100Pass(force={self.force}, previous={self.previous!r})"
+
+
+def _config():
+    import torch._inductor.config as cfg
+    return cfg
+
+
+def enable(force: bool = False) -> None:
+    """Make a plain ``torch.compile(model)`` (Inductor) rewrite attention into flashv100.
+
+    Idempotent; calling it again with another ``force`` updates the setting.  An already set
+    ``pre_grad_custom_pass`` keeps running (after ours).  Call before compiling: graphs compiled
+    earlier are not recompiled.
+    """
+    cfg = _config()
+    cur = cfg.pre_grad_custom_pass
+    if isinstance(cur, FlashV100Pass):
+        if cur.force == bool(force):
+            return
+        cur = cur.previous
+    cfg.pre_grad_custom_pass = FlashV100Pass(force=force, previous=cur)
+
+
+def disable() -> None:
+    """Remove the pass installed by :func:`enable` (idempotent), restoring the previous pass."""
+    cfg = _config()
+    cur = cfg.pre_grad_custom_pass
+    if isinstance(cur, FlashV100Pass):
+        cfg.pre_grad_custom_pass = cur.previous
+    elif isinstance(cur, (list, tuple)) and any(isinstance(p, FlashV100Pass) for p in cur):
+        rest = [p.previous if isinstance(p, FlashV100Pass) else p for p in cur]
+        flat = []
+        for p in rest:
+            flat.extend(_as_list(p))
+        cfg.pre_grad_custom_pass = type(cur)(flat) if flat else None
+
+
+def is_enabled() -> bool:
+    cur = _config().pre_grad_custom_pass
+    return any(isinstance(p, FlashV100Pass) for p in _as_list(cur))
+
+
+def backend(force: bool = False, compiler: Any = "inductor",
+            **inductor_options: Any) -> Callable:
+    """A ``torch.compile`` backend: the attention rewrite, then ``compiler``.
+
+    ``compiler`` is "inductor" (default; ``inductor_options`` become Inductor config patches),
+    any registered backend name (e.g. "aot_eager", "eager"), or a backend callable.
+    """
+
+    def flashv100_backend(gm: torch.fx.GraphModule, example_inputs):
+        rewrite(gm.graph, force=force)
+        gm.recompile()
+        if compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            if inductor_options:
+                return compile_fx(gm, example_inputs, config_patches=dict(inductor_options))
+            return compile_fx(gm, example_inputs)
+        fn = compiler
+        if isinstance(fn, str):
+            from torch._dynamo.backends.registry import lookup_backend
+            fn = lookup_backend(fn)
+        return fn(gm, example_inputs)
+
+    flashv100_backend.force = force  # type: ignore[attr-defined]
+    return flashv100_backend
+
+
+def _flashv100_default_backend(gm, example_inputs):
+    return backend()(gm, example_inputs)
+
+
+def _register() -> None:
+    try:
+        from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+        if "flashv100" not in _COMPILER_FNS:
+            register_backend(_flashv100_default_backend, name="flashv100")
+    except Exception as e:  # pragma: no cover
+        log.warning("could not register the 'flashv100' dynamo backend: %s", e)
+    try:
+        from torch._logging._internal import register_log
+        register_log("flashv100", "torch_flash_v100")
+    except Exception:  # pragma: no cover
+        pass
+    settings = os.environ.get("TORCH_LOGS", "")
+    if any(s.strip().lstrip("+") == "flashv100" for s in settings.split(",")):
+        lg = logging.getLogger("torch_flash_v100")
+        lg.setLevel(logging.DEBUG if "+flashv100" in settings else logging.INFO)
+        if not lg.handlers:
+            lg.addHandler(logging.StreamHandler())
+
+
+_register()
