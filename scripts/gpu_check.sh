@@ -4,7 +4,8 @@
 #   -> compute-sanitizer memcheck + racecheck on odd shapes (both atoms) -> short benchmark.
 # Writes gpu_check.log, junit XML, summary.json and bench.json to $OUT (default ./gpu_results).
 # Exits non-zero if any step fails or if no GPU test ran (a silently skipped GPU suite is a failure).
-# STEPS=build,gpu_tests,tests,sanitize,bench selects steps (default: all).
+# STEPS=build,gpu_tests,tests,sanitize,bench selects steps (default: all); STEP_TIMEOUT (seconds,
+# default 1800) bounds each step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-./gpu_results}"
@@ -22,7 +23,7 @@ run_step() {  # run_step NAME CMD...: records pass/fail and wall time
   local name=$1 start=$SECONDS
   shift
   echo "==== $name: $* ($(date -u +%H:%M:%S))"
-  if "$@"; then RESULT[$name]=pass; else RESULT[$name]=fail; fi
+  if timeout "${STEP_TIMEOUT:-1800}" "$@"; then RESULT[$name]=pass; else RESULT[$name]=fail; fi
   echo "==== $name: ${RESULT[$name]} in $((SECONDS - start)) s"
 }
 
@@ -30,7 +31,7 @@ nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv || true
 want build && run_step build "$PY" -m pip install --no-build-isolation --no-deps -e .
 if want gpu_tests; then
   run_step gpu_tests "$PY" -m pytest -q -m cuda tests --junitxml="$OUT_DIR/gpu_tests.xml" \
-    -p no:cacheprovider
+    -p no:cacheprovider --tb=short --maxfail=40
 fi
 if want tests; then
   run_step tests "$PY" -m pytest -q -m "not cuda" tests --junitxml="$OUT_DIR/tests.xml" \
