@@ -114,12 +114,23 @@ def markdown(doc: Dict[str, Any]) -> str:
                         summary_markdown(doc), "#### All implementations", detail_markdown(doc)]) + "\n"
 
 
+def _clean(x):
+    """NaN/inf become null, so that the file is strict JSON."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None
+    return x
+
+
 def write_json(doc: Dict[str, Any], path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str, allow_nan=True)
+        json.dump(_clean(doc), f, indent=1, default=str)
         f.write("\n")
     os.replace(tmp, path)
     return path

@@ -159,3 +159,15 @@ def test_script_runs(tmp_path):
         assert png.exists()
     except ImportError:
         assert "plot skipped" in r.stderr
+
+
+def test_e2e_smoke(tmp_path):
+    js = tmp_path / "e2e.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_gpt.py"), "--device", "cpu", "--modes", "eager",
+                        "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
+                        "--steps", "2", "--check-steps", "1", "--json", str(js)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(js.read_text())
+    assert doc["runs"][0]["mode"] == "eager" and len(doc["runs"][0]["losses"]) == 2
+    assert "losses match: yes" in r.stdout

@@ -181,14 +181,9 @@ def _peak_mb(fn: Callable[[], Any], device: torch.device) -> Optional[float]:
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _MuteFd2():
-            prof.__enter__()
-        try:
-            fn()
-        finally:
-            with _MuteFd2():
-                prof.__exit__(None, None, None)
+        with _MuteFd2():  # C++ profiler chatter on some builds; exceptions still propagate
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                fn()
         tree = prof.profiler.kineto_results.experimental_event_tree()
     except Exception:
         return None
@@ -403,9 +398,10 @@ def _reset_counters():
     torch._dynamo.reset()
 
 
-def compile_with_pass(model: nn.Module, cmod) -> nn.Module:
-    """torch.compile with the flashv100 pass, forced on (so it also rewrites on CPU / non-V100)."""
-    be = cmod.backend(force=True)
+def compile_with_pass(model: nn.Module, cmod, compiler: str = "inductor") -> nn.Module:
+    """torch.compile with the flashv100 pass, forced on (so it also rewrites on CPU / non-V100),
+    then ``compiler`` ("inductor", "aot_eager", "eager": the pass runs before autograd either way)."""
+    be = cmod.backend(force=True, compiler=compiler)
     return torch.compile(model, backend=be)
 
 
@@ -505,7 +501,7 @@ def cmd_info(args) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def explain_models(device: torch.device, training: bool, models: Optional[Dict[str, Callable[[], nn.Module]]] = None,
-                   T: int = 16, B: int = 2, d: int = 64) -> List[Dict[str, Any]]:
+                   T: int = 16, B: int = 2, d: int = 64, compiler: str = "eager") -> List[Dict[str, Any]]:
     """Compile each demo model with the pass; return per model: fused count and the pass's log."""
     cmod, why = _load_compile()
     if cmod is None:
@@ -522,7 +518,7 @@ def explain_models(device: torch.device, training: bool, models: Optional[Dict[s
         entry: Dict[str, Any] = {"model": name}
         with capture_compile_log() as cap:
             try:
-                cm = compile_with_pass(m, cmod)
+                cm = compile_with_pass(m, cmod, compiler)
                 if training:
                     cm(x, pad).sum().backward()
                 else:
@@ -547,7 +543,7 @@ def cmd_explain(args) -> int:
     _p(f"Attention sites of demo models compiled with the flashv100 pass on {device} "
        f"({'training: joint forward+backward graph' if training else 'inference'})")
     _p(f"(the pass logs one line per softmax site to the logger {COMPILE_LOGGER!r})")
-    for r in explain_models(device, training):
+    for r in explain_models(device, training, compiler=args.compiler):
         _section(r["model"])
         if r["error"]:
             _p(f"  compile/run failed: {r['error']}")
@@ -621,7 +617,7 @@ def _sdpa(q, k, v, mask, causal):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
-def demo_compile(device: torch.device, steps: int = 2) -> Dict[str, Any]:
+def demo_compile(device: torch.device, steps: int = 2, compiler: str = "inductor") -> Dict[str, Any]:
     """Train a 2-layer GPT with eager attention for a few steps, eager vs compiled with the pass."""
     cmod, why = _load_compile()
     if cmod is None:
@@ -637,7 +633,7 @@ def demo_compile(device: torch.device, steps: int = 2) -> Dict[str, Any]:
     _reset_counters()
     res: Dict[str, Any] = {"sites": 2}
     with capture_compile_log() as cap:
-        cm = compile_with_pass(comp, cmod)
+        cm = compile_with_pass(comp, cmod, compiler)
         opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
         opt_c = torch.optim.SGD(comp.parameters(), lr=0.1)
         losses_e, losses_c = [], []
@@ -649,7 +645,7 @@ def demo_compile(device: torch.device, steps: int = 2) -> Dict[str, Any]:
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, 128), idx[:, 1:].reshape(-1))
                 loss.backward()
                 opt.step()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
             if i == 0:
                 res["first_step_s"] = time.perf_counter() - t0
     res["fused"] = _fused_counter()
@@ -735,7 +731,9 @@ def cmd_demo(args) -> int:
         _p("  skipped (--no-compile)")
     else:
         t0 = time.perf_counter()
-        r = demo_compile(device)
+        compiler = args.compiler or ("inductor" if device.type == "cuda" else "aot_eager")
+        _p(f"  torch.compile(model, backend=torch_flash_v100.backend(force=True, compiler={compiler!r}))")
+        r = demo_compile(device, compiler=compiler)
         if "error" in r:
             _p(f"  skipped: {r['error']}")
         else:
@@ -812,6 +810,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prints, per softmax site, whether it was fused and why not.")
     x.add_argument("--device", default=None, help="cpu or cuda (default: best available)")
     x.add_argument("--inference", action="store_true", help="inference graphs (default: training)")
+    x.add_argument("--compiler", default="eager", choices=["eager", "aot_eager", "inductor"],
+                   help="what compiles the graph after the pass (default eager: the pass's decisions "
+                        "do not depend on it, and it is the fastest)")
     x.set_defaults(func=cmd_explain)
 
     e = sub.add_parser("e2e", help="end-to-end small GPT: eager vs torch.compile vs torch.compile + pass",
@@ -826,6 +827,9 @@ def _demo_args(d: argparse.ArgumentParser):
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
     d.add_argument("--dtype", default=None, choices=list(DTYPES), help="default fp16 on CUDA, fp32 on CPU")
     d.add_argument("--no-compile", action="store_true", help="skip the torch.compile part")
+    d.add_argument("--compiler", default=None, choices=["eager", "aot_eager", "inductor"],
+                   help="backend after the pass (default: inductor on CUDA, aot_eager on CPU, where "
+                        "Inductor's C++ compilation alone would take about a minute)")
     d.add_argument("--budget", type=float, default=60.0, help="target seconds for the whole demo (default 60)")
     d.set_defaults(func=cmd_demo)
 
