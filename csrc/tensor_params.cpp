@@ -117,7 +117,7 @@ ForwardParams make_forward_params(const at::Tensor& query, const at::Tensor& key
   p.k_strides = strides_of(key);
   p.v_strides = strides_of(value);
   p.out_strides = strides_of(out);
-  p.scale = static_cast<float>(scale);
+  p.scale = scale;
   p.causal = static_cast<CausalMode>(causal_mode);
   p.mask = mask_params_of(attn_mask);
   p.dropout.p = static_cast<float>(dropout_p);

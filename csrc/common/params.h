@@ -68,7 +68,7 @@ struct ForwardParams {
   void* out = nullptr;
   float* lse = nullptr;  // [B, Hq, Lq] contiguous; -inf for rows with no visible key
   TensorStrides q_strides, k_strides, v_strides, out_strides;
-  float scale = 1.0f;
+  double scale = 1.0;  // double so fp64 inputs stay exact; kernels cast to their compute type
   CausalMode causal = CausalMode::kNone;
   MaskParams mask;
   DropoutParams dropout;
