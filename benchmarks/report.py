@@ -177,11 +177,23 @@ def write_plot(doc: Dict[str, Any], path) -> Optional[Path]:
             ax.set_ylabel("TFLOP/s")
             ax.set_xscale("log", base=2)
             ax.grid(True, alpha=0.3)
-            if row == 0 and col == 1:
-                ax.legend(fontsize=7, loc="best")
+
+    from matplotlib.lines import Line2D
+
+    shown = [n for n in names if any(ln.get_color() == colors[n] for ax in axes.flat for ln in ax.get_lines())]
+    handles = [Line2D([], [], color=colors[n], marker="o", ms=3) for n in shown]
+    labels = list(shown)
+    handles += [Line2D([], [], color="gray", ls="-"), Line2D([], [], color="gray", ls="--")]
+    labels += ["non-causal", "causal"]
+    H = fig.get_figheight()
+    ncol = 5
+    legend_rows = (len(labels) + ncol - 1) // ncol
     fig.suptitle(f"suite {doc.get('suite')} on {md.get('device_name')} "
-                 f"(torch {md.get('torch_version')}, commit {(md.get('git_commit') or '?')[:10]})", fontsize=10)
-    fig.tight_layout()
+                 f"(torch {md.get('torch_version')}, commit {(md.get('git_commit') or '?')[:10]})",
+                 fontsize=10, y=1 - 0.12 / H)
+    fig.legend(handles, labels, loc="upper center", ncol=ncol, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.35 / H))
+    fig.tight_layout(rect=(0, 0, 1, 1 - (0.45 + 0.2 * legend_rows) / H))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

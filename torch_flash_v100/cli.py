@@ -543,7 +543,8 @@ def cmd_explain(args) -> int:
     _p(f"Attention sites of demo models compiled with the flashv100 pass on {device} "
        f"({'training: joint forward+backward graph' if training else 'inference'})")
     _p(f"(the pass logs one line per softmax site to the logger {COMPILE_LOGGER!r})")
-    for r in explain_models(device, training, compiler=args.compiler):
+    results = explain_models(device, training, compiler=args.compiler)
+    for r in results:
         _section(r["model"])
         if r["error"]:
             _p(f"  compile/run failed: {r['error']}")
@@ -553,6 +554,11 @@ def cmd_explain(args) -> int:
                 _p(f"  - {msg}")
         else:
             _p("  - (the pass logged nothing for this model)")
+    fused = sum(r["fused"] for r in results)
+    sites = sum(len(r["log"]) for r in results)
+    _p("")
+    _p(f"summary: {fused} of {sites} softmax/SDPA sites rewritten to flashv100.attention "
+       f"across {len(results)} models ({sum(1 for r in results if r['error'])} failed to compile)")
     return 0
 
 
