@@ -1,0 +1,112 @@
+"""Never rewrite when the result would differ: nothing rewritten, results unchanged, reason logged."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compile_testing import DEVICE, check_not_rewritten, qkv
+
+TRAIN = pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+
+
+def returns_weights(q, k, v):
+    p = F.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1)
+    return p @ v, p
+
+
+def weights_used_twice(q, k, v):
+    p = F.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1)
+    return (p @ v) + p.sum()
+
+
+def softmax_other_dim(q, k, v):
+    return F.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-2) @ v
+
+
+def softmax_dim1_3d(q, k, v):
+    s = torch.bmm(q[0], k[0].transpose(1, 2))
+    return torch.bmm(F.softmax(s, dim=1), v[0])
+
+
+def mask_enlarges_scores(q, k, v, m):  # q is [H, L, E], mask [B, H, L, S]: broadcasts UP
+    s = torch.matmul(q[0], k[0].transpose(-2, -1)) * 0.25 + m
+    return F.softmax(s, dim=-1) @ v[0]
+
+
+def non_scalar_multiplier(q, k, v, w):
+    s = torch.matmul(q, k.transpose(-2, -1)) * w  # per-position weights, not a scale
+    return F.softmax(s, dim=-1) @ v
+
+
+def fill_with_zero(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+    s = s.masked_fill(~keep, 0.0)  # sets scores to 0: not a mask
+    return F.softmax(s, dim=-1) @ v
+
+
+def softcap(q, k, v):
+    s = torch.tanh(torch.matmul(q, k.transpose(-2, -1)) / 30.0) * 30.0
+    return F.softmax(s, dim=-1) @ v
+
+
+def probs_transposed(q, k, v):
+    p = F.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1)
+    return p.transpose(-2, -1) @ v
+
+
+def not_attention(x, w, v):  # softmax of something that is not a product
+    return F.softmax(x + w, dim=-1) @ v.transpose(-1, -2)
+
+
+def head_mask(q, k, v, hm):  # probabilities re-weighted per head (HF head_mask)
+    p = F.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1) * hm
+    return p @ v
+
+
+CASES = {
+    "returns_weights": (returns_weights, lambda: qkv(), "used elsewhere"),
+    "weights_used_twice": (weights_used_twice, lambda: qkv(), "used elsewhere"),
+    "softmax_other_dim": (softmax_other_dim, lambda: qkv(), "not the last dim"),
+    "softmax_dim1_3d": (softmax_dim1_3d, lambda: qkv(), "not the last dim"),
+    "mask_enlarges_scores": (mask_enlarges_scores,
+                             lambda: (*qkv(), torch.randn(2, 4, 8, 8, device=DEVICE)),
+                             "broadcasts the scores"),
+    "non_scalar_multiplier": (non_scalar_multiplier,
+                              lambda: (*qkv(), torch.rand(8, 8, device=DEVICE)),
+                              "non-scalar"),
+    "fill_with_zero": (fill_with_zero,
+                       lambda: (*qkv(), torch.rand(8, 8, device=DEVICE) > 0.3),
+                       "large negative"),
+    "softcap": (softcap, lambda: qkv(), "tanh"),
+    "probs_transposed": (probs_transposed, lambda: qkv(), "not (casts, dropout, matmul"),
+    "not_attention": (not_attention, lambda: qkv(), "q @ k^T product"),
+    "head_mask": (head_mask, lambda: (*qkv(), torch.rand(1, 4, 1, 1, device=DEVICE)),
+                  "probabilities feed mul"),
+}
+
+
+@TRAIN
+@pytest.mark.parametrize("name", list(CASES))
+def test_not_rewritten(name, train):
+    fn, make, reason = CASES[name]
+    check_not_rewritten(fn, make(), reason=reason, train=train)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="device gating on CPU")
+def test_cpu_not_targeted_without_force():
+    def fn(q, k, v):
+        return F.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1) @ v
+
+    check_not_rewritten(fn, qkv(), reason="not targeted", force=False)
+    check_not_rewritten(F.scaled_dot_product_attention, qkv(), reason="not targeted",
+                        force=False)
+
+
+def test_reasons_are_logged(caplog):
+    caplog.set_level(logging.INFO, logger="torch_flash_v100.compile")
+    check_not_rewritten(returns_weights, qkv(), reason="used elsewhere")
+    msgs = [r.getMessage() for r in caplog.records if r.name == "torch_flash_v100.compile"]
+    assert any("NOT rewritten" in m and "used elsewhere" in m for m in msgs), msgs
+    assert any("test_compile_negative.py" in m for m in msgs), msgs  # user code location
