@@ -613,6 +613,23 @@ def demo_accuracy(tfv, device: torch.device, dtype: torch.dtype) -> List[List[An
     return rows
 
 
+def _accuracy_verdict(rows: List[List[Any]], dtype: torch.dtype) -> str:
+    """FlashAttention-2-style check: flashv100's error vs fp64 within 2x (+ a small floor) of the
+    error of plain PyTorch math (the naive row) in the same dtype."""
+    floor = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-3)
+    verdicts = []
+    for case in dict.fromkeys(r[0] for r in rows):
+        by = {r[1]: r for r in rows if r[0] == case}
+        fl = by.get("flashv100")
+        nv = next((r for n, r in by.items() if n.startswith("naive")), None)
+        try:
+            ok = all(float(a) <= 2 * float(b) + floor for a, b in zip(fl[2:], nv[2:]))
+        except (TypeError, ValueError):
+            ok = False
+        verdicts.append(f"{case}: {'OK' if ok else 'CHECK'}")
+    return ("  flashv100 error within 2x of eager PyTorch math in the same dtype: " + "; ".join(verdicts))
+
+
 def _sdpa(q, k, v, mask, causal):
     if q.size(-3) != k.size(-3):
         try:
@@ -707,8 +724,14 @@ def cmd_demo(args) -> int:
     t_start = time.perf_counter()
     tfv = _load_package()
     device = _device(args.device)
+    note = None
+    if device.type == "cuda" and str(tfv.kernel_path(device)).startswith("unavailable") and not args.device:
+        note = f"CUDA device found but {tfv.kernel_path(device)}: the demo runs on the CPU"
+        device = torch.device("cpu")
     dtype = _dtype(args.dtype, device)
     _p(f"torch-flash-v100 {tfv.__version__}: FlashAttention-2-class fused attention for V100 (sm_70)")
+    if note:
+        _p(f"  note: {note}")
     _p("  torch_flash_v100.attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, "
        "enable_gqa=False)\n  = torch.nn.functional.scaled_dot_product_attention semantics, differentiable")
 
@@ -731,6 +754,7 @@ def cmd_demo(args) -> int:
     _section("2. accuracy: max abs error vs the fp64 reference (out, dq, dk, dv)")
     rows = demo_accuracy(tfv, device, dtype)
     _p(_table(["case", "impl", "out", "dq", "dk", "dv"], rows))
+    _p(_accuracy_verdict(rows, dtype))
 
     _section("3. torch.compile: a 2-layer GPT with eager attention, trained 2 steps with the pass")
     if args.no_compile:
