@@ -1,0 +1,94 @@
+"""expecttest inline expectations of the rewritten (pre-autograd) graph for canonical cases.
+
+Regenerate with EXPECTTEST_ACCEPT=1 after an intended change of the rewrite."""
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from compile_testing import Capture, qkv, reset
+
+
+def _code(fn, *args) -> str:
+    reset()
+    cap = Capture()
+    torch.compile(fn, backend=cap.backend(), fullgraph=True)(*args)
+    (gm,) = cap.dynamo
+    lines = []
+    for line in gm.code.strip().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or line.startswith("def forward"):
+            continue
+        line = re.sub(r"\s+#.*$", "", line)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def sdpa_math(q, k, v, mask):
+    s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    s = s + mask
+    return F.dropout(F.softmax(s, dim=-1), p=0.0, training=False) @ v
+
+
+def causal_padding_gqa(q, k, v, keep):
+    b, hk, s_, d = k.shape
+    n = q.size(1) // hk
+    k = k[:, :, None].expand(b, hk, n, s_, d).reshape(b, hk * n, s_, d)
+    v = v[:, :, None].expand(b, hk, n, s_, d).reshape(b, hk * n, s_, d)
+    L = q.size(-2)
+    i = torch.arange(L)[:, None]
+    j = torch.arange(s_)[None, :]
+    m = (j <= i) & keep[:, None, None, :]
+    s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    s = s.masked_fill(~m, torch.finfo(s.dtype).min)
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def einsum_blhd(q, k, v):
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+
+class TestExpectedGraphs(TestCase):
+    def test_sdpa_math(self):
+        q, k, v = qkv()
+        self.assertExpectedInline(_code(sdpa_math, q, k, v, torch.randn(2, 1, 8, 8)), """\
+l_k_ = L_k_
+l_q_ = L_q_
+l_mask_ = L_mask_
+l_v_ = L_v_
+attention_default = torch.ops.flashv100.attention.default(l_q_, l_k_, l_v_, l_mask_, 0.0, False, scale = 0.25, enable_gqa = False);  l_q_ = l_k_ = l_v_ = l_mask_ = None
+return (attention_default,)""")
+
+    def test_causal_padding_gqa(self):
+        q, k, v = qkv(h=4, hk=2)
+        keep = torch.ones(2, 8, dtype=torch.bool)
+        self.assertExpectedInline(_code(causal_padding_gqa, q, k, v, keep), """\
+l_k_ = L_k_
+l_q_ = L_q_
+l_v_ = L_v_
+l_keep_ = L_keep_
+arange = torch.arange(8)
+i = arange[(slice(None, None, None), None)];  arange = None
+arange_1 = torch.arange(8)
+j = arange_1[(None, slice(None, None, None))];  arange_1 = None
+le = j <= i;  j = i = None
+getitem_4 = l_keep_[(slice(None, None, None), None, None, slice(None, None, None))];  l_keep_ = None
+m = le & getitem_4;  le = getitem_4 = None
+attention_default = torch.ops.flashv100.attention.default(l_q_, l_k_, l_v_, m, 0.0, True, scale = 0.25, enable_gqa = True);  l_q_ = l_k_ = l_v_ = m = None
+return (attention_default,)""")
+
+    def test_einsum_blhd(self):
+        self.assertExpectedInline(_code(einsum_blhd, *qkv(layout="blhd")), """\
+l_q_ = L_q_
+l_k_ = L_k_
+l_v_ = L_v_
+permute = torch.permute(l_q_, [0, 2, 1, 3]);  l_q_ = None
+permute_1 = torch.permute(l_k_, [0, 2, 1, 3]);  l_k_ = None
+permute_2 = torch.permute(l_v_, [0, 2, 1, 3]);  l_v_ = None
+attention_default = torch.ops.flashv100.attention.default(permute, permute_1, permute_2, None, 0.0, False, scale = 0.25, enable_gqa = False);  permute = permute_1 = permute_2 = None
+permute_3 = torch.permute(attention_default, [0, 2, 1, 3]);  attention_default = None
+return (permute_3,)""")
