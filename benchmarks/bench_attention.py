@@ -58,9 +58,6 @@ def run(args) -> int:
     import torch
 
     device = args.device or best_device()
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
-        return 2
     if args.list:
         for name, (desc, _, budget) in SUITES.items():
             cfgs = get_suite(name, device, args.dtype)
@@ -68,9 +65,17 @@ def run(args) -> int:
             for c in cfgs:
                 print(f"    {c.key()}")
         return 0
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
+        return 2
     configs = get_suite(args.suite, device, args.dtype)
     budget = args.time_budget if args.time_budget is not None else SUITES[args.suite][2]
     impl_names = [s.strip() for s in args.impls.split(",")] if args.impls else None
+    unknown = [n for n in impl_names or [] if n not in IMPL_NAMES]
+    if unknown:
+        print(f"error: unknown implementation(s) {', '.join(unknown)}; choose from {', '.join(IMPL_NAMES)}",
+              file=sys.stderr)
+        return 2
     json_path, plot_path = args.json_path, args.plot_path
     if args.save:
         tag = f"{args.suite}_{torch.device(device).type}"

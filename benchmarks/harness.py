@@ -448,10 +448,10 @@ def measure(impl: Impl, cfg: Config, tensors, ref, device: torch.device, budget_
         b = budget_s / 3.0
         est = first_ms / 3.5
         tf = time_fn(lambda: impl.fn(q, k, v, cfg.causal), device, b, estimate_ms=est, timer=timer)
-        out = impl.fn(q, k, v, cfg.causal)
-        tb = time_fn(lambda: out.backward(dout, retain_graph=True), device, b, setup=zero,
+        graph = {"out": impl.fn(q, k, v, cfg.causal)}  # one forward, its graph retained
+        tb = time_fn(lambda: graph["out"].backward(dout, retain_graph=True), device, b, setup=zero,
                      estimate_ms=est * BWD_FLOP_RATIO, timer=timer)
-        del out
+        graph.clear()
         zero()
 
         def fb():
