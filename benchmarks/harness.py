@@ -402,8 +402,11 @@ def _is_sticky_cuda_error(e: BaseException) -> bool:
                                 "misaligned address", "illegal instruction", "CUDA error: an illegal"))
 
 
-def _cleanup(device: torch.device):
-    gc.collect()
+def _cleanup(device: torch.device, collect: bool = False):
+    """Free cached device memory; ``collect`` also runs the (slow: ~0.1 s with torch loaded)
+    garbage collector, needed only after an exception (tracebacks hold frames with tensors)."""
+    if collect:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -544,7 +547,7 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
                     done += 1
                     bar.step(f"{cfg.key()} {im.name}")
                 tensors = ref = None
-                _cleanup(device)
+                _cleanup(device, collect=True)
                 doc["results"].append(entry)
                 if on_config_done:
                     on_config_done(doc)
@@ -564,15 +567,17 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
                         # ~half of an item's share goes to the timed repetitions; the rest is the
                         # accuracy/memory runs, warm-ups and the reference
                         budget = max(0.03, min(3.0, 0.5 * (time_budget_s - elapsed) / max(1, left)))
+                    failed = False
                     try:
                         r = measure(im, cfg, tensors, ref, device, budget, timer=timer)
                     except Exception as e:
+                        failed = True
                         r = {"status": "error", "error": _short_error(e)}
                         if device.type == "cuda" and _is_sticky_cuda_error(e):
                             sticky = f"CUDA context unusable after an earlier error ({im.name}): {r['error']}"
-                    finally:
-                        tensors[0].grad = tensors[1].grad = tensors[2].grad = None
-                        _cleanup(device)
+                    tensors[0].grad = tensors[1].grad = tensors[2].grad = None
+                    if failed:
+                        _cleanup(device, collect=True)
                 entry["impls"][im.name] = r
                 done += 1
                 bar.step(f"{cfg.key()} {im.name}")
