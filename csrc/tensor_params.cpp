@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
+
 namespace flashv100 {
 namespace {
 
@@ -34,6 +36,10 @@ MaskParams mask_params_of(const std::optional<at::Tensor>& attn_mask) {
   mask.row_stride = stride_or_zero(2);
   mask.col_stride = stride_or_zero(3);
   return mask;
+}
+
+at::ScalarType lse_dtype_of(const at::Tensor& query) {
+  return query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 }  // namespace
@@ -90,14 +96,44 @@ void check_attention_inputs(const char* op, const at::Tensor& query, const at::T
   }
 }
 
+void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& query,
+                           const at::Tensor& key, const at::Tensor& value,
+                           const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
+                           const at::Tensor& lse, const at::Tensor& rng_state, double dropout_p,
+                           int64_t causal_mode, bool mask_requires_grad) {
+  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, causal_mode);
+  const std::array<int64_t, 4> out_dims = {query.size(0), query.size(1), query.size(2),
+                                           value.size(3)};
+  const at::IntArrayRef out_shape(out_dims);
+  TORCH_CHECK(out.sizes() == out_shape && out.scalar_type() == query.scalar_type() &&
+                  out.device() == query.device(),
+              op, ": expected out ", out_shape, " of query's dtype and device, got ", out.sizes(),
+              " ", out.scalar_type(), " on ", out.device());
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
+                  grad_out.device() == query.device() && grad_out.stride(-1) == 1,
+              op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim, got ",
+              grad_out.sizes(), " ", grad_out.scalar_type(), " on ", grad_out.device());
+  const at::ScalarType lse_dtype = lse_dtype_of(query);
+  TORCH_CHECK(lse.sizes() == out_shape.slice(0, 3) && lse.scalar_type() == lse_dtype &&
+                  lse.device() == query.device(),
+              op, ": expected lse [B, Hq, L] of dtype ", lse_dtype,
+              " as returned by _attention_forward, got ", lse.sizes(), " ", lse.scalar_type());
+  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong &&
+                  rng_state.is_contiguous(),
+              op, ": expected rng_state int64[2] as returned by _attention_forward, got ",
+              rng_state.scalar_type(), rng_state.sizes());
+  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
+              op, ": mask_requires_grad needs an additive (floating) attn_mask");
+}
+
 at::Tensor allocate_out(const at::Tensor& query, const at::Tensor& value) {
   if (value.size(3) == query.size(3)) return at::empty_like(query);
   return at::empty({query.size(0), query.size(1), query.size(2), value.size(3)}, query.options());
 }
 
 at::Tensor allocate_lse(const at::Tensor& query) {
-  const at::ScalarType dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return at::empty({query.size(0), query.size(1), query.size(2)}, query.options().dtype(dtype));
+  return at::empty({query.size(0), query.size(1), query.size(2)},
+                   query.options().dtype(lse_dtype_of(query)));
 }
 
 ForwardParams make_forward_params(const at::Tensor& query, const at::Tensor& key,

@@ -18,6 +18,13 @@ void check_attention_inputs(const char* op, const at::Tensor& query, const at::T
                             const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                             double dropout_p, int64_t causal_mode);
 
+// The backward's extra inputs, as _attention_forward returned them; plus the inputs' checks.
+void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& query,
+                           const at::Tensor& key, const at::Tensor& value,
+                           const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
+                           const at::Tensor& lse, const at::Tensor& rng_state, double dropout_p,
+                           int64_t causal_mode, bool mask_requires_grad);
+
 // Output allocation shared by the real kernels of every device (fake kernels mirror it).
 // lse is fp32, except fp64 for fp64 inputs (so float64 gradients stay exact).
 at::Tensor allocate_out(const at::Tensor& query, const at::Tensor& value);

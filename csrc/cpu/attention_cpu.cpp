@@ -288,15 +288,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& value, const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& rng_state, double dropout_p, int64_t causal_mode,
     double scale, bool mask_requires_grad, bool deterministic) {
-  constexpr const char* op = "flashv100._attention_backward";
-  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, causal_mode);
-  TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
-                  grad_out.stride(-1) == 1,
-              op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim");
-  TORCH_CHECK(lse.scalar_type() == allocate_lse(query.narrow(2, 0, 0)).scalar_type(), op,
-              ": expected lse as returned by _attention_forward, got ", lse.scalar_type());
-  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
-              op, ": mask_requires_grad needs an additive (floating) attn_mask");
+  check_backward_inputs("flashv100._attention_backward", grad_out, query, key, value, attn_mask,
+                        out, lse, rng_state, dropout_p, causal_mode, mask_requires_grad);
   at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key),
              grad_value = at::empty_like(value);
   at::Tensor grad_mask_full;
