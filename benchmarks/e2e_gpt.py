@@ -186,8 +186,8 @@ def best_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(prog="e2e_gpt.py", description=__doc__,
+def parse(argv=None, prog="e2e_gpt.py"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
@@ -219,8 +219,8 @@ def parse(argv=None):
     return a
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
+def main(argv=None, prog="e2e_gpt.py") -> int:
+    args = parse(argv, prog)
     device = torch.device(args.device)
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = set(modes) - set(MODES)

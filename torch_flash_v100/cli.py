@@ -501,7 +501,8 @@ def cmd_info(args) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def explain_models(device: torch.device, training: bool, models: Optional[Dict[str, Callable[[], nn.Module]]] = None,
-                   T: int = 16, B: int = 2, d: int = 64, compiler: str = "eager") -> List[Dict[str, Any]]:
+                   T: int = 16, B: int = 2, d: int = 64, compiler: str = "eager",
+                   compare_inductor: bool = False) -> List[Dict[str, Any]]:
     """Compile each demo model with the pass; return per model: fused count and the pass's log."""
     cmod, why = _load_compile()
     if cmod is None:
@@ -529,8 +530,30 @@ def explain_models(device: torch.device, training: bool, models: Optional[Dict[s
                 entry["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         entry["fused"] = _fused_counter()
         entry["log"] = cap.messages()
+        if compare_inductor:
+            entry["inductor_fused"] = _inductor_fusions(make, device, training, x, pad)
         results.append(entry)
     return results
+
+
+def _inductor_fusions(make, device, training, x, pad):
+    """How many attention sites plain torch.compile (Inductor's own SDPA patterns) fuses."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = make().to(device)
+    m.train(training)
+    _reset_counters()
+    try:
+        cm = torch.compile(m)
+        if training:
+            cm(x, pad).sum().backward()
+        else:
+            with torch.no_grad():
+                cm(x, pad)
+    except Exception as e:
+        return f"error: {type(e).__name__}"
+    return int(counters["inductor"]["fuse_attention"])
 
 
 def cmd_explain(args) -> int:
@@ -543,12 +566,13 @@ def cmd_explain(args) -> int:
     _p(f"Attention sites of demo models compiled with the flashv100 pass on {device} "
        f"({'training: joint forward+backward graph' if training else 'inference'})")
     _p(f"(the pass logs one line per softmax site to the logger {COMPILE_LOGGER!r})")
-    results = explain_models(device, training, compiler=args.compiler)
+    results = explain_models(device, training, compiler=args.compiler, compare_inductor=args.compare_inductor)
     for r in results:
         _section(r["model"])
         if r["error"]:
             _p(f"  compile/run failed: {r['error']}")
-        _p(f"  fused attention sites: {r['fused']}")
+        _p(f"  fused attention sites: {r['fused']}"
+           + (f"   (plain torch.compile: counters['inductor']['fuse_attention'] = {r['inductor_fused']})" if "inductor_fused" in r else ""))
         if r["log"]:
             for msg in r["log"]:
                 _p(f"  - {msg}")
@@ -803,7 +827,7 @@ def cmd_bench(args) -> int:
 def cmd_e2e(args) -> int:
     _load_benchmarks()
     mod = importlib.import_module("benchmarks.e2e_gpt")
-    return mod.main(args.rest)
+    return mod.main(args.rest, prog="python -m torch_flash_v100 e2e")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -843,6 +867,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--compiler", default="eager", choices=["eager", "aot_eager", "inductor"],
                    help="what compiles the graph after the pass (default eager: the pass's decisions "
                         "do not depend on it, and it is the fastest)")
+    x.add_argument("--compare-inductor", action="store_true",
+                   help="also compile each model with plain torch.compile and report how many sites "
+                        "Inductor's own attention patterns fuse (slow on CPU: C++ compilation)")
     x.set_defaults(func=cmd_explain)
 
     e = sub.add_parser("e2e", help="end-to-end small GPT: eager vs torch.compile vs torch.compile + pass",
