@@ -209,22 +209,34 @@ def _sdpa_impls(device: torch.device) -> List[Impl]:
             def ctx():
                 return sdpa_kernel([backend])
 
+            state = {"native_gqa": native_gqa}
+
+            def call(q, k, v, causal):
+                if _gqa(q, k):
+                    if state["native_gqa"]:
+                        try:
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                        except RuntimeError:
+                            # this backend has no native GQA: from now on expand K/V (counted in the time)
+                            state["native_gqa"] = False
+                    k2, v2 = _expand_kv(q, k, v)
+                    return F.scaled_dot_product_attention(q, k2, v2, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
             def fn(q, k, v, causal):
-                with _RecordWarnings() as rec:
-                    try:
-                        if _gqa(q, k):
-                            if native_gqa:
-                                try:
-                                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                          enable_gqa=True)
-                                except RuntimeError:
-                                    pass  # this backend has no native GQA: expand K/V (counted)
-                            k2, v2 = _expand_kv(q, k, v)
-                            return F.scaled_dot_product_attention(q, k2, v2, is_causal=causal)
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    except RuntimeError as e:
-                        why = rec.text()
-                        raise RuntimeError(f"{str(e).splitlines()[0]}" + (f" [{why}]" if why else "")) from None
+                try:
+                    return call(q, k, v, causal)
+                except RuntimeError as e:
+                    # once more, recording SDPA's "... not used because ..." warnings for the reason
+                    # (no warnings machinery on the timed path)
+                    with _RecordWarnings() as rec:
+                        try:
+                            call(q, k, v, causal)
+                        except Exception:
+                            pass
+                    why = rec.text()
+                    raise RuntimeError(str(e).splitlines()[0] + (f" [{why}]" if why else "")) from None
+
             return ctx, fn
 
         ctx, fn = make()
