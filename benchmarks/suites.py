@@ -117,9 +117,9 @@ def _tiny(device: str) -> List[Config]:
 # name -> (description, generator, default time budget in seconds for the whole suite)
 SUITES: Dict[str, Tuple[str, Callable[[str], List[Config]], float]] = {
     "seed": ("V100 report table: (1,1,n,n,n) n=16..256; (1,16|32,1024,D) D=16,32,64; "
-             "E=128/256 at 1k-4k; causal and not", _seed, 190.0),
+             "E=128/256 at 1k-4k; causal and not", _seed, 170.0),
     "fa2": ("FlashAttention-2 sweep: B*L=16k, H*E=2048, L=512..16k, E in {64,128}, causal and not",
-            _fa2, 190.0),
+            _fa2, 170.0),
     "gqa": ("GQA prefill: 32 query / 8 kv heads, E=128, L=1k..8k, causal and not", _gqa, 150.0),
     "quick": ("a handful of configurations, under a minute", _quick, 35.0),
     "tiny": ("two tiny configurations for CI tests", _tiny, 30.0),
