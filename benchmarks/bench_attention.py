@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"write JSON, Markdown and PNG to {RESULTS_DIR.name}/<suite>_<device>.*")
     p.add_argument("--time-budget", type=float, default=None, metavar="SEC",
                    help="wall-time budget for the whole suite; repetitions adapt to it "
-                        "(default: per suite, e.g. 170 s for seed/fa2, 35 s for quick; past 1.1x the rest is skipped)")
+                        "(default: per suite, e.g. 170 s for seed/fa2, 45 s for quick; past 1.1x the rest is skipped)")
     p.add_argument("--timer", default="auto", choices=["auto", "events", "do_bench"],
                    help="CUDA timer: own CUDA-event loop, triton.testing.do_bench, or auto (default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -121,7 +121,7 @@ SUITES: Dict[str, Tuple[str, Callable[[str], List[Config]], float]] = {
     "fa2": ("FlashAttention-2 sweep: B*L=16k, H*E=2048, L=512..16k, E in {64,128}, causal and not",
             _fa2, 170.0),
     "gqa": ("GQA prefill: 32 query / 8 kv heads, E=128, L=1k..8k, causal and not", _gqa, 150.0),
-    "quick": ("a handful of configurations, under a minute", _quick, 35.0),
+    "quick": ("a handful of configurations, under a minute", _quick, 45.0),
     "tiny": ("two tiny configurations for CI tests", _tiny, 30.0),
 }
 
