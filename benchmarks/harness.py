@@ -473,6 +473,18 @@ def measure(impl: Impl, cfg: Config, tensors, ref, device: torch.device, budget_
     return res
 
 
+def _warm_device(device: torch.device, dtypes: Sequence[str]):
+    """One small matmul fwd+bwd per dtype, so that one-time allocations (cuBLAS workspaces,
+    handles) are not charged to the first implementation's memory and time."""
+    for name in dtypes:
+        try:
+            x = torch.randn(2, 64, 64, device=device, dtype=DTYPES[name], requires_grad=True)
+            (torch.softmax(x @ x.transpose(-2, -1), -1) @ x).sum().backward()
+        except Exception:
+            pass
+    _sync(device)
+
+
 def _make_inputs(cfg: Config, device: torch.device, seed: int = 0):
     dt = DTYPES[cfg.dtype]
     g = torch.Generator(device=device).manual_seed(seed)  # on the device: fast for big inputs
@@ -518,6 +530,7 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
     doc["metadata"]["time_budget_s"] = time_budget_s
     doc["metadata"]["timer"] = timer
     runnable = [im for im in impls if im.available]
+    _warm_device(device, sorted({c.dtype for c in configs}))
     n_items = len(configs) * len(runnable)
     done = 0
     bar = _Progress(n_items, progress)
