@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A few odd shapes through the fused forward and backward on both atoms: the workload that
+"""A few odd shapes through the fused forward and backward on both atoms (plain, and with a
+broadcast additive mask plus dropout): the workload that
 scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck). Exits non-zero on a
 non-finite result; the sanitizer reports memory errors and shared-memory races itself."""
 import math
@@ -28,15 +29,19 @@ def main() -> int:
                 k = torch.randn(b, hkv, lk, d, device="cuda", dtype=torch.float16, generator=g)
                 v = torch.randn(b, hkv, lk, d, device="cuda", dtype=torch.float16, generator=g)
                 scale = 1.0 / math.sqrt(d)
-                out, lse, rng = ops._attention_forward(q, k, v, None, 0.0, causal, scale)
-                dout = torch.randn_like(out)
-                for deterministic in (False, True):
-                    grads = ops._attention_backward(dout, q, k, v, None, out, lse, rng, 0.0, causal,
-                                                    scale, False, deterministic)
-                    torch.cuda.synchronize()
-                    if not all(torch.isfinite(t).all() for t in (out, *grads[:3])):
-                        print("non-finite result", force_volta, (b, hq, hkv, lq, lk, d, causal))
-                        bad += 1
+                # plain; then a broadcast additive mask (with gradient) and dropout
+                mask = torch.randn(b, 1, 1, lk, device="cuda", generator=g)
+                for mask_, p in ((None, 0.0), (mask, 0.1)):
+                    out, lse, rng = ops._attention_forward(q, k, v, mask_, p, causal, scale)
+                    dout = torch.randn_like(out)
+                    for deterministic in (False, True):
+                        grads = ops._attention_backward(dout, q, k, v, mask_, out, lse, rng, p,
+                                                        causal, scale, mask_ is not None,
+                                                        deterministic)
+                        torch.cuda.synchronize()
+                        if not all(torch.isfinite(t).all() for t in (out, *grads)):
+                            print("non-finite result", force_volta, (b, hq, hkv, lq, lk, d, causal))
+                            bad += 1
     print("sanitize workload done,", bad, "bad results")
     return 1 if bad else 0
 

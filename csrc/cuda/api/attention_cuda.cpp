@@ -45,16 +45,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = allocate_out(query, value);
   at::Tensor lse = allocate_lse(query);
-  at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query)
+  ForwardParams params = make_forward_params(query, key, value, attn_mask, out, lse, scale,
+                                             causal_mode, dropout_p);
+  at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query, params.dropout)
                                          : at::zeros({2}, query.options().dtype(at::kLong));
   const MmaAtom atom = atom_of(query);
-  const char* reason = fused_unsupported_reason(atom, query, key, value, attn_mask, dropout_p,
-                                                {&query, &key, &value, &out});
+  const char* reason =
+      fused_unsupported_reason(atom, query, key, value, {&query, &key, &value, &out});
   if (reason == nullptr) {
     debug_log(op, mma_atom_name(atom), nullptr);
-    run_fused_forward(atom, query.scalar_type(),
-                      make_forward_params(query, key, value, attn_mask, out, lse, scale,
-                                          causal_mode, dropout_p));
+    run_fused_forward(atom, query.scalar_type(), params);
   } else {
     debug_log(op, "math fallback", reason);
     fallback_forward(query, key, value, attn_mask, dropout_p, causal_mode, scale, rng_state, out,
@@ -79,9 +79,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
               op, ": expected grad_out, out and lse on ", query.device());
   TORCH_CHECK(lse.sizes() == at::IntArrayRef({query.size(0), query.size(1), query.size(2)}), op,
               ": expected lse [B, Hq, L] as returned by _attention_forward, got ", lse.sizes());
-  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong, op,
-              ": expected rng_state int64[2] as returned by _attention_forward, got ",
-              rng_state.scalar_type(), rng_state.sizes());
+  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong &&
+                  rng_state.is_contiguous() && rng_state.device() == query.device(),
+              op, ": expected rng_state int64[2] on ", query.device(),
+              " as returned by _attention_forward, got ", rng_state.scalar_type(),
+              rng_state.sizes(), " on ", rng_state.device());
   TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
               op, ": mask_requires_grad needs an additive (floating) attn_mask");
   const c10::cuda::CUDAGuard guard(query.device());
@@ -89,18 +91,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
              grad_value = at::empty_like(value);
   at::Tensor grad_mask = at::empty({0}, query.options());
   const MmaAtom atom = atom_of(query);
-  const char* reason =
-      fused_unsupported_reason(atom, query, key, value, attn_mask, dropout_p,
-                               {&query, &key, &value, &out, &grad_out, &grad_query, &grad_key,
-                                &grad_value});
+  const char* reason = fused_unsupported_reason(
+      atom, query, key, value,
+      {&query, &key, &value, &out, &grad_out, &grad_query, &grad_key, &grad_value});
   if (reason == nullptr && lse.scalar_type() != at::kFloat) reason = "lse is not fp32";
   if (reason == nullptr) {
     debug_log(op, mma_atom_name(atom), deterministic ? "deterministic" : nullptr);
     const at::Tensor lse_c = lse.contiguous();
-    run_fused_backward(atom, query.scalar_type(),
-                       make_backward_params(grad_out, query, key, value, attn_mask, out, lse_c,
-                                            scale, causal_mode, dropout_p, grad_query, grad_key,
-                                            grad_value, at::Tensor(), deterministic));
+    // The additive mask's gradient is dS over [B, Hq, L, S]; tiles the kernels skip stay 0.
+    const at::Tensor grad_mask_full =
+        mask_requires_grad ? at::zeros({query.size(0), query.size(1), query.size(2), key.size(2)},
+                                       query.options().dtype(at::kFloat))
+                           : at::Tensor();
+    BackwardParams params = make_backward_params(
+        grad_out, query, key, value, attn_mask, out, lse_c, scale, causal_mode, dropout_p,
+        grad_query, grad_key, grad_value, grad_mask_full, deterministic);
+    params.fwd.dropout.seed_ptr = rng_state.data_ptr<int64_t>();
+    params.fwd.dropout.offset_ptr = rng_state.data_ptr<int64_t>() + 1;
+    run_fused_backward(atom, query.scalar_type(), params);
+    if (mask_requires_grad) grad_mask = reduce_mask_grad(grad_mask_full, *attn_mask);
   } else {
     debug_log(op, "math fallback", reason);
     const at::Tensor grad_mask_full = fallback_backward(

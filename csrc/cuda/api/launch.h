@@ -16,15 +16,16 @@ namespace cuda {
 // 16-bit tensor the kernels address (alignment and stride checks).
 const char* fused_unsupported_reason(MmaAtom atom, const at::Tensor& query, const at::Tensor& key,
                                      const at::Tensor& value,
-                                     const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                      std::initializer_list<const at::Tensor*> tensors);
 
 // Fused kernels on the current stream of the tensors' device (the caller holds a device guard).
 void run_fused_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
 void run_fused_backward(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p);
 
-// rng_state = {seed, offset} from PyTorch's CUDA generator, written by a kernel (graph-safe).
-at::Tensor next_rng_state(const at::Tensor& like);
+// Reserves Philox randomness from PyTorch's CUDA generator of `like`'s device for one call:
+// fills `dropout` (seed/offset values, or device pointers under CUDA graph capture) and returns
+// rng_state = {seed, offset} written by a kernel, so capture never reads it on the host.
+at::Tensor next_rng_state(const at::Tensor& like, DropoutParams& dropout);
 // keep mask [B, H, L, S] (bool) of philox.h for rng_state.
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                              int64_t len_q, int64_t len_kv, double dropout_p);

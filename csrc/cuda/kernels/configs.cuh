@@ -19,17 +19,22 @@ constexpr __host__ __device__ int head_dim_bucket(int d) {
   return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
 
-// Forward: each warp owns kBlockM / kWarps query rows and the whole key tile.
-template <int kHeadDim> struct FwdTile;
-template <> struct FwdTile<32> { static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4; };
-template <> struct FwdTile<64> { static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4; };
-template <> struct FwdTile<128> { static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4; };
-template <> struct FwdTile<256> { static constexpr int kBlockM = 64, kBlockN = 16, kWarps = 4; };
+// Each kernel comes in two variants: plain, and kGeneral (attn_mask and/or dropout). The general
+// variant carries per-element mask reads and Philox bits, so it gets smaller tiles where the plain
+// tiles would spill registers on sm_70 (checked by scripts/nvrtc_gate.py).
 
-template <int kHeadDim_>
-struct FwdConfig : FwdTile<kHeadDim_> {
-  using T = FwdTile<kHeadDim_>;
+// Forward: each warp owns kBlockM / kWarps query rows and the whole key tile.
+template <int kHeadDim, bool kGeneral>
+struct FwdTile {
+  static constexpr int kBlockM = 64, kWarps = 4;
+  static constexpr int kBlockN = kHeadDim <= 64 || (kHeadDim == 128 && !kGeneral) ? 64 : 16;
+};
+
+template <int kHeadDim_, bool kGeneral_>
+struct FwdConfig : FwdTile<kHeadDim_, kGeneral_> {
+  using T = FwdTile<kHeadDim_, kGeneral_>;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kGeneral = kGeneral_;
   static constexpr int kThreads = T::kWarps * 32;
   static constexpr int kWarpRows = T::kBlockM / T::kWarps;
   static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K: [rows][head dim]
@@ -43,33 +48,35 @@ struct FwdConfig : FwdTile<kHeadDim_> {
   static_assert(kSmemBytes <= kVoltaMaxSmemBytes, "forward tile exceeds Volta shared memory");
 };
 
-// Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N], dK/dV [N x E]
-// and dQ [M x kDqCols] (dQ is produced kDqCols head-dim columns at a time to bound registers).
-template <int kHeadDim> struct BwdTile;
-template <> struct BwdTile<32> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kWarpsNS = 1, kWarpsNKV = 1,
-                       kWarpsNQ = 1, kDqCols = 32;
+// Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N] (over the
+// first kSWarps warps: a 32x32 tile has only four 16x16 Volta tiles), dK/dV [N x E] and
+// dQ [M x kDqCols] (dQ is produced kDqCols head-dim columns at a time to bound registers).
+// kWarpsN* = warps along the columns of each grid.
+template <int kBlockM_, int kBlockN_, int kWarps_, int kSWarps_, int kWarpsNS_, int kWarpsNKV_,
+          int kWarpsNQ_, int kDqCols_>
+struct BwdTileShape {
+  static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_,
+                       kSWarps = kSWarps_, kWarpsNS = kWarpsNS_, kWarpsNKV = kWarpsNKV_,
+                       kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
-template <> struct BwdTile<64> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kWarpsNS = 1, kWarpsNKV = 1,
-                       kWarpsNQ = 1, kDqCols = 64;
-};
-template <> struct BwdTile<128> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 8, kWarpsNS = 2, kWarpsNKV = 2,
-                       kWarpsNQ = 2, kDqCols = 128;
-};
-template <> struct BwdTile<256> {
-  static constexpr int kBlockM = 32, kBlockN = 32, kWarps = 4, kWarpsNS = 2, kWarpsNKV = 2,
-                       kWarpsNQ = 2, kDqCols = 64;
-};
+template <int kHeadDim, bool kGeneral> struct BwdTile;
+template <> struct BwdTile<32, false> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
+template <> struct BwdTile<64, false> : BwdTileShape<64, 64, 4, 4, 1, 1, 1, 64> {};
+template <> struct BwdTile<128, false> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 128> {};
+template <> struct BwdTile<256, false> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
+template <> struct BwdTile<32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
+template <> struct BwdTile<64, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 64> {};
+template <> struct BwdTile<128, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 128> {};
+template <> struct BwdTile<256, true> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
 
-template <int kHeadDim_>
-struct BwdConfig : BwdTile<kHeadDim_> {
-  using T = BwdTile<kHeadDim_>;
+template <int kHeadDim_, bool kGeneral_>
+struct BwdConfig : BwdTile<kHeadDim_, kGeneral_> {
+  using T = BwdTile<kHeadDim_, kGeneral_>;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kGeneral = kGeneral_;
   static constexpr int kThreads = T::kWarps * 32;
   // Warp tiles of the three products.
-  static constexpr int kSRows = T::kBlockM / (T::kWarps / T::kWarpsNS);
+  static constexpr int kSRows = T::kBlockM / (T::kSWarps / T::kWarpsNS);
   static constexpr int kSCols = T::kBlockN / T::kWarpsNS;
   static constexpr int kKVRows = T::kBlockN / (T::kWarps / T::kWarpsNKV);
   static constexpr int kKVCols = kHeadDim / T::kWarpsNKV;

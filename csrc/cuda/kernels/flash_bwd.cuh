@@ -15,7 +15,7 @@ namespace kern {
 template <class Cfg>
 struct BwdSmem {
   uint16_t *k, *v, *q, *dout, *p, *ds;
-  float *lse_log2, *dsum;
+  float *lse, *dsum;
 
   __device__ __forceinline__ explicit BwdSmem(uint4* raw) {
     uint16_t* base = reinterpret_cast<uint16_t*>(raw);
@@ -25,12 +25,12 @@ struct BwdSmem {
     dout = base + Cfg::kDOOffset;
     p = base + Cfg::kPOffset;
     ds = base + Cfg::kDSOffset;
-    lse_log2 = reinterpret_cast<float*>(reinterpret_cast<char*>(raw) + Cfg::kRowVecByteOffset);
-    dsum = lse_log2 + Cfg::kBlockM;
+    lse = reinterpret_cast<float*>(reinterpret_cast<char*>(raw) + Cfg::kRowVecByteOffset);
+    dsum = lse + Cfg::kBlockM;
   }
 };
 
-// Q, dO, lse (log2 units) and D of query rows [m0, m0 + kBlockM) of head h. Rows past the end get
+// Q, dO, lse and D of query rows [m0, m0 + kBlockM) of head h. Rows past the end get
 // lse = +inf so that their recomputed P is exactly 0.
 template <class Cfg>
 __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const BackwardParams& p,
@@ -45,9 +45,8 @@ __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const Ba
   load_tile<Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
       sm.dout, Cfg::kLdE, head_ptr(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row, rows, d,
       tid);
-  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.lse_log2, f.lse + row_index, rows, kLog2e,
-                                               pos_inf(), tid);
-  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.dsum, dsum + row_index, rows, 1.0f, 0.0f, tid);
+  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.lse, f.lse + row_index, rows, pos_inf(), tid);
+  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.dsum, dsum + row_index, rows, 0.0f, tid);
 }
 
 template <class Cfg>
@@ -62,13 +61,30 @@ __device__ __forceinline__ void load_key_side(const BwdSmem<Cfg>& sm, const Back
       sm.v, Cfg::kLdE, head_ptr(f.v, f.v_strides, b, hk, n0), f.v_strides.row, rows, d, tid);
 }
 
-// Recomputes P = exp(S * scale - lse) of the (m0, n0) tile and dS = P * (dP - D), dP = dO V^T,
-// and stores both (as Elem) into shared memory for the products that reduce over rows or keys.
-template <class Atom, class Elem, class Cfg, bool kStoreP>
+// What the P/dS recomputation needs about one (batch, query head).
+struct BwdHead {
+  int64_t batch_head;  // b * Hq + h: dropout counter and dmask rows
+  HeadMask mask;
+  float* dmask;  // this head's [Lq, Lkv] rows of the fp32 mask gradient, or nullptr
+
+  __device__ __forceinline__ BwdHead(const BackwardParams& p, int64_t b, int64_t h)
+      : batch_head(b * p.fwd.shape.heads_q + h),
+        mask(p.fwd.mask, b, h),
+        dmask(p.dmask != nullptr ? p.dmask + batch_head * p.fwd.shape.len_q * p.fwd.shape.len_kv
+                                 : nullptr) {}
+};
+
+// Recomputes P = exp(S * scale + bias - lse) of the (m0, n0) tile and dS = P * (dP - D) with
+// dP = dO V^T (times the dropout factors), and stores dropout(P) and dS (as Elem) into shared
+// memory for the products that reduce over rows or keys. kWriteDMask: also write dS, the
+// gradient of an additive mask, to head.dmask (each tile is visited once by the dK/dV kernel).
+template <class Atom, class Elem, class Cfg, bool kStoreP, bool kWriteDMask>
 __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const Visibility& vis,
-                                             float scale_log2, int k_extent, int m0, int n0,
-                                             int warp, int lane) {
+                                             const BwdHead& head, const Dropout& dropout,
+                                             float scale, int k_extent, int m0, int n0, int warp,
+                                             int lane) {
   using Acc = WarpAccum<Atom, Cfg::kSRows, Cfg::kSCols>;
+  if (warp >= Cfg::kSWarps) return;
   const int r0 = (warp / Cfg::kWarpsNS) * Cfg::kSRows;
   const int c0 = (warp % Cfg::kWarpsNS) * Cfg::kSCols;
   Acc s, dp;
@@ -84,13 +100,31 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const Visib
 #pragma unroll
     for (int fn = 0; fn < Acc::kFragN; ++fn)
 #pragma unroll
-      for (int i = 0; i < Atom::kCRegs; ++i) {
+      for (int i = 0; i < Atom::kCRegs; i += 2) {
         const int r = r0 + Acc::row_of(lane, fm, Atom::row_slot(i));
-        const int c = c0 + Acc::col_of(lane, fn, i);
-        const bool keep = !needs_mask || vis.visible(m0 + r, n0 + c);
-        const float prob = keep ? fast_exp2(s.c[fm][fn][i] * scale_log2 - sm.lse_log2[r]) : 0.0f;
-        s.c[fm][fn][i] = prob;
-        dp.c[fm][fn][i] = prob * (dp.c[fm][fn][i] - sm.dsum[r]);
+        const int i_q = m0 + r, j0 = n0 + c0 + Acc::col_of(lane, fn, i);
+        float factor[2] = {1.0f, 1.0f};
+        if (Cfg::kGeneral && dropout.enabled)
+          dropout.factors(head.batch_head, i_q, j0, factor[0], factor[1]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = j0 + e;
+          float score = neg_inf();
+          if (!needs_mask || vis.visible(i_q, j)) {
+            score = s.c[fm][fn][i + e] * scale;
+            if constexpr (Cfg::kGeneral)
+              if (head.mask.present() && i_q < vis.len_q) score += head.mask.bias(i_q, j);
+          }
+          // Fully hidden entries (incl. whole rows, lse = -inf) have probability exactly 0.
+          const float prob =
+              score == neg_inf() ? 0.0f : fast_exp2((score - sm.lse[r]) * kLog2e);
+          const float ds = prob * (dp.c[fm][fn][i + e] * factor[e] - sm.dsum[r]);
+          s.c[fm][fn][i + e] = prob * factor[e];
+          dp.c[fm][fn][i + e] = ds;
+          if (Cfg::kGeneral && kWriteDMask && head.dmask != nullptr && i_q < vis.len_q &&
+              j < vis.len_kv)
+            head.dmask[static_cast<int64_t>(i_q) * vis.len_kv + j] = ds;
+        }
       }
   if constexpr (kStoreP) store_accum_smem<Elem>(s, sm.p, Cfg::kLdN, r0, c0, lane);
   store_accum_smem<Elem>(dp, sm.ds, Cfg::kLdN, r0, c0, lane);
@@ -119,11 +153,11 @@ __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParam
 }
 
 // dK, dV for key tile blockIdx.x of (batch, kv head) blockIdx.y; optionally dQ by fp32 atomics
-// into dq_accum ([B, Hq, Lq, d] contiguous, unscaled).
-template <class Atom, class Elem, int kHeadDim>
-__global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
+// into dq_accum ([B, Hq, Lq, d] contiguous, unscaled). kGeneral: attn_mask and/or dropout.
+template <class Atom, class Elem, int kHeadDim, bool kGeneral>
+__global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
     flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum) {
-  using Cfg = BwdConfig<kHeadDim>;
+  using Cfg = BwdConfig<kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
   extern __shared__ uint4 smem_raw[];
   const BwdSmem<Cfg> sm(smem_raw);
@@ -132,7 +166,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
   const Visibility vis(f);
   const int d = static_cast<int>(f.shape.head_dim);
   const int k_extent = round_up(d, Atom::kK), n_extent = round_up(d, Atom::kN);
-  const float scale_log2 = static_cast<float>(f.scale) * kLog2e;
+  const float scale = static_cast<float>(f.scale);
+  const Dropout dropout(f.dropout);
   const int n0 = blockIdx.x * kBlockN;
   const int64_t b = blockIdx.y / f.shape.heads_kv, hk = blockIdx.y % f.shape.heads_kv;
   const int64_t group = f.shape.heads_q / f.shape.heads_kv;
@@ -151,11 +186,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
 
   const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    const BwdHead head(p, b, h);
     for (int m0 = row_begin; m0 < vis.len_q; m0 += kBlockM) {
       __syncthreads();  // the previous query tile (Q, dO, P, dS) is fully consumed
       load_query_side(sm, p, dsum, b, h, m0, tid);
       __syncthreads();
-      compute_p_ds<Atom, Elem, Cfg, true>(sm, vis, scale_log2, k_extent, m0, n0, warp, lane);
+      compute_p_ds<Atom, Elem, Cfg, true, true>(sm, vis, head, dropout, scale, k_extent, m0, n0,
+                                                warp, lane);
       __syncthreads();
       // dV += P^T dO and dK += dS^T Q: reductions over the tile's query rows.
       warp_gemm<Atom, Elem>(dv, MMajor{sm.p + kv_r0, Cfg::kLdN}, MMajor{sm.dout + kv_c0, kLdE},
@@ -180,7 +217,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
   }
 
   const int rows_valid = vis.len_kv - n0 - kv_r0;
-  const float scale = static_cast<float>(f.scale);
   store_accum_global<Elem>(dk, head_ptr(p.dk, p.dk_strides, b, hk, n0 + kv_r0) + kv_c0,
                            p.dk_strides.row, rows_valid, d - kv_c0, lane,
                            [&](int, int) { return scale; });
@@ -190,10 +226,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
 }
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.
-template <class Atom, class Elem, int kHeadDim>
-__global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
+template <class Atom, class Elem, int kHeadDim, bool kGeneral>
+__global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
     flash_bwd_dq_kernel(const BackwardParams p, const float* dsum) {
-  using Cfg = BwdConfig<kHeadDim>;
+  using Cfg = BwdConfig<kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   extern __shared__ uint4 smem_raw[];
   const BwdSmem<Cfg> sm(smem_raw);
@@ -202,10 +238,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
   const Visibility vis(f);
   const int d = static_cast<int>(f.shape.head_dim);
   const int k_extent = round_up(d, Atom::kK), n_extent = round_up(d, Atom::kN);
-  const float scale_log2 = static_cast<float>(f.scale) * kLog2e;
+  const float scale = static_cast<float>(f.scale);
+  const Dropout dropout(f.dropout);
   const int m0 = blockIdx.x * kBlockM;
   const int64_t b = blockIdx.y / f.shape.heads_q, h = blockIdx.y % f.shape.heads_q;
   const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
+  const BwdHead head(p, b, h);
 
   load_query_side(sm, p, dsum, b, h, m0, tid);
 
@@ -219,12 +257,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads)
     __syncthreads();  // the previous K/V/dS tile is fully consumed
     load_key_side(sm, p, b, hk, n0, tid);
     __syncthreads();
-    compute_p_ds<Atom, Elem, Cfg, false>(sm, vis, scale_log2, k_extent, m0, n0, warp, lane);
+    compute_p_ds<Atom, Elem, Cfg, false, false>(sm, vis, head, dropout, scale, k_extent, m0, n0,
+                                                warp, lane);
     __syncthreads();
     warp_gemm<Atom, Elem>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
                           MMajor{sm.k + q_c0, Cfg::kLdE}, kBlockN, n_extent - q_c0, lane);
   }
-  const float scale = static_cast<float>(f.scale);
   store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, m0 + q_r0) + q_c0,
                            p.dq_strides.row, vis.len_q - m0 - q_r0, d - q_c0, lane,
                            [&](int, int) { return scale; });

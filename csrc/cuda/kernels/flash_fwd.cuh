@@ -1,7 +1,9 @@
 // FlashAttention-2 forward: one block per (query tile, batch*head). Q stays in shared memory, K/V
 // tiles stream through it; S and the fp32 O accumulator live in registers, the online softmax runs
 // in fp32 on the accumulator map. P goes through a warp-private shared tile to become the A operand
-// of P.V (the accumulator and A-operand layouts differ on Volta).
+// of P.V (the accumulator and A-operand layouts differ on Volta). The attn_mask bias is added to
+// the scores and dropout is applied to P after the row sums (the softmax normalizes undropped P).
+// Scores stay in natural-log units until exponentiation so that finfo.min biases cannot overflow.
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
@@ -10,10 +12,11 @@
 namespace flashv100 {
 namespace kern {
 
-template <class Atom, class Elem, int kHeadDim>
-__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
+// kGeneral: the problem has an attn_mask and/or dropout (see configs.cuh).
+template <class Atom, class Elem, int kHeadDim, bool kGeneral>
+__global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
     flash_fwd_kernel(const ForwardParams p) {
-  using Cfg = FwdConfig<kHeadDim>;
+  using Cfg = FwdConfig<kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kWarpRows = Cfg::kWarpRows;
   using SAcc = WarpAccum<Atom, kWarpRows, kBlockN>;
@@ -37,6 +40,8 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
   const int64_t hk = kv_head_of(h, shape.heads_q, shape.heads_kv);
   const uint16_t* k_head = head_ptr(p.k, p.k_strides, b, hk, 0);
   const uint16_t* v_head = head_ptr(p.v, p.v_strides, b, hk, 0);
+  const HeadMask mask(p.mask, b, h);
+  const Dropout dropout(p.dropout);
 
   load_tile<kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK, head_ptr(p.q, p.q_strides, b, h, m0),
                                          p.q_strides.row, vis.len_q - m0, d, tid);
@@ -49,7 +54,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) row_max[fm][s] = neg_inf(), row_sum[fm][s] = 0.0f;
 
-  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const float scale = static_cast<float>(p.scale);
   const int k_extent = round_up(d, Atom::kK);
   const int n_extent = round_up(d, Atom::kN);
   const KMajor q_op{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
@@ -71,10 +76,17 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
     s.zero();
     warp_gemm<Atom, Elem>(s, q_op, k_op, k_extent, kBlockN, lane);
 
-    // Scores in log2 units; invisible keys -> -inf.
+    // Scaled scores plus mask bias; invisible keys -> -inf.
     const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, n0, kBlockN);
     s.for_each(lane, [&](int, int, int r, int c, float& x) {
-      x = (needs_mask && !vis.visible(m0 + warp_row0 + r, n0 + c)) ? neg_inf() : x * scale_log2;
+      const int i = m0 + warp_row0 + r, j = n0 + c;
+      if (needs_mask && !vis.visible(i, j)) {
+        x = neg_inf();
+      } else {
+        x *= scale;
+        if constexpr (kGeneral)
+          if (mask.present() && i < vis.len_q) x += mask.bias(i, j);
+      }
     });
 
     // Online softmax: new running max per row, rescale what was accumulated so far.
@@ -93,17 +105,25 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
       for (int sl = 0; sl < kSlots; ++sl) {
         const float m_new = fmaxf(row_max[fm][sl], row_allreduce_max<Atom>(tile_max[fm][sl]));
         // A row that has seen no visible key yet keeps max -inf; exponentiate against 0 so that
-        // exp2(-inf - base) stays 0 instead of NaN.
+        // exp(-inf - base) stays 0 instead of NaN.
         base[fm][sl] = m_new == neg_inf() ? 0.0f : m_new;
-        alpha[fm][sl] = fast_exp2(row_max[fm][sl] - base[fm][sl]);
+        alpha[fm][sl] = fast_exp2((row_max[fm][sl] - base[fm][sl]) * kLog2e);
         row_max[fm][sl] = m_new;
         row_sum[fm][sl] *= alpha[fm][sl];
       }
     s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
-      x = fast_exp2(x - base[fm][sl]);
+      x = fast_exp2((x - base[fm][sl]) * kLog2e);
       row_sum[fm][sl] += x;
     });
     o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
+    if (kGeneral && dropout.enabled) {
+      s.for_each_pair(lane, [&](int, int, int r, int c, float& x0, float& x1) {
+        float f0, f1;
+        dropout.factors(blockIdx.y, m0 + warp_row0 + r, n0 + c, f0, f1);
+        x0 *= f0;
+        x1 *= f1;
+      });
+    }
 
     store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, 0, lane);
     __syncwarp();
@@ -123,7 +143,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
       const int r = OAcc::row_of(lane, fm, sl);
       if (is_row_leader<Atom>(lane) && r < rows_valid) {
         p.lse[blockIdx.y * shape.len_q + m0 + warp_row0 + r] =
-            l > 0.0f ? (row_max[fm][sl] + log2f(l)) * kLn2 : neg_inf();
+            l > 0.0f ? row_max[fm][sl] + logf(l) : neg_inf();
       }
     }
   store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, m0 + warp_row0),

@@ -12,11 +12,15 @@
 namespace flashv100 {
 namespace kern {
 
-#define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)                                       \
-  template __global__ void flash_fwd_kernel<Atom, Elem, D>(const ForwardParams);             \
-  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D>(const BackwardParams,        \
-                                                                const float*, float*);       \
-  template __global__ void flash_bwd_dq_kernel<Atom, Elem, D>(const BackwardParams, const float*);
+#define FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, G)                                      \
+  template __global__ void flash_fwd_kernel<Atom, Elem, D, G>(const ForwardParams);          \
+  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G>(const BackwardParams,     \
+                                                                   const float*, float*);    \
+  template __global__ void flash_bwd_dq_kernel<Atom, Elem, D, G>(const BackwardParams,       \
+                                                                 const float*);
+#define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)  \
+  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, false) \
+  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, true)
 
 #define FLASHV100_INSTANTIATE_VOLTA_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(VoltaAtom, Fp16, D)
 #define FLASHV100_INSTANTIATE_AMPERE_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Fp16, D)

@@ -39,16 +39,16 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
   }
 }
 
-// Loads n floats (rows [0, n_valid), `fill` beyond) of a per-row vector into shared memory.
+// Loads kRows floats of a per-row vector into shared memory (`fill` beyond n_valid).
 template <int kRows, int kThreads>
 __device__ __forceinline__ void load_row_vector(float* smem, const float* gmem, int n_valid,
-                                                float multiplier, float fill, int tid) {
-  for (int r = tid; r < kRows; r += kThreads) smem[r] = r < n_valid ? gmem[r] * multiplier : fill;
+                                                float fill, int tid) {
+  for (int r = tid; r < kRows; r += kThreads) smem[r] = r < n_valid ? gmem[r] : fill;
 }
 
 // Writes a warp accumulator (converted to Elem) into a shared tile at (row0, col0), ld elements.
 template <class Elem, class Acc>
-__device__ __forceinline__ void store_accum_smem(const Acc& acc, uint16_t* smem, int ld, int row0,
+__device__ __forceinline__ void store_accum_smem(Acc& acc, uint16_t* smem, int ld, int row0,
                                                  int col0, int lane) {
   acc.for_each_pair(lane, [&](int, int, int r, int c, float v0, float v1) {
     *reinterpret_cast<uint32_t*>(smem + (row0 + r) * ld + col0 + c) = pack2<Elem>(v0, v1);
@@ -58,7 +58,7 @@ __device__ __forceinline__ void store_accum_smem(const Acc& acc, uint16_t* smem,
 // Writes a warp accumulator tile to global memory (tile origin `gmem`), rows < rows_valid and
 // cols < cols_valid only, each value multiplied by row_scale(fm, slot).
 template <class Elem, class Acc, class RowScale>
-__device__ __forceinline__ void store_accum_global(const Acc& acc, uint16_t* gmem,
+__device__ __forceinline__ void store_accum_global(Acc& acc, uint16_t* gmem,
                                                    int64_t row_stride, int rows_valid,
                                                    int cols_valid, int lane, RowScale row_scale) {
   acc.for_each_pair(lane, [&](int fm, int slot, int r, int c, float v0, float v1) {

@@ -70,9 +70,9 @@ struct WarpAccum {
         }
   }
 
-  // f(row, col, value_at_col, value_at_col_plus_1) for each horizontal pair (2k, 2k+1).
+  // f(fm, slot, row, col, value_at_col&, value_at_col_plus_1&) for each horizontal pair (2k, 2k+1).
   template <class F>
-  __device__ __forceinline__ void for_each_pair(int lane, F&& f) const {
+  __device__ __forceinline__ void for_each_pair(int lane, F&& f) {
 #pragma unroll
     for (int fm = 0; fm < kFragM; ++fm)
 #pragma unroll

@@ -1,0 +1,54 @@
+// Backward launches: D = rowsum(dO * O), then dK/dV (+ dQ by atomics, converted afterwards), or
+// dK/dV and a separate deterministic dQ kernel; all on the current stream.
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/api/dispatch.cuh"
+#include "cuda/api/launch.h"
+#include "cuda/kernels/flash_bwd.cuh"
+
+namespace flashv100 {
+namespace cuda {
+
+void run_fused_backward(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const AttentionShape& s = p.fwd.shape;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
+                                                                 c10::cuda::current_device());
+  at::Tensor dsum = at::empty({s.batch * s.heads_q * s.len_q}, f32);
+  at::Tensor dq_accum;
+  if (!p.deterministic) dq_accum = at::zeros({s.batch * s.heads_q * s.len_q * s.head_dim}, f32);
+  dispatch(atom, dtype, s.head_dim, is_general(p.fwd),
+           [&](auto atom_tag, auto elem_tag, auto dim, auto general) {
+    using Atom = decltype(atom_tag);
+    using Elem = decltype(elem_tag);
+    constexpr int D = decltype(dim)::value;
+    constexpr bool G = decltype(general)::value;
+    using Cfg = kern::BwdConfig<D, G>;
+    kern::flash_bwd_dsum_kernel<Elem><<<ceil_div(s.batch * s.heads_q * s.len_q, 4), 128, 0,
+                                        stream>>>(p, dsum.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, G>;
+    set_smem(dkdv, Cfg::kSmemBytes);
+    const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
+    dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        p, dsum.data_ptr<float>(), p.deterministic ? nullptr : dq_accum.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    if (p.deterministic) {
+      const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, G>;
+      set_smem(dq, Cfg::kSmemBytes);
+      const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
+      dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum.data_ptr<float>());
+    } else {
+      const int64_t pairs = s.batch * s.heads_q * s.len_q * s.head_dim / 2;
+      const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(pairs, 256), 65536));
+      kern::flash_bwd_dq_convert_kernel<Elem>
+          <<<blocks, 256, 0, stream>>>(p, dq_accum.data_ptr<float>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace cuda
+}  // namespace flashv100

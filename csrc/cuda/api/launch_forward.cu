@@ -1,0 +1,27 @@
+// Forward launch: one block per (query tile, batch * query head), on the current stream.
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/api/dispatch.cuh"
+#include "cuda/api/launch.h"
+#include "cuda/kernels/flash_fwd.cuh"
+
+namespace flashv100 {
+namespace cuda {
+
+void run_fused_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch(atom, dtype, p.shape.head_dim, is_general(p),
+           [&](auto atom_tag, auto elem_tag, auto dim, auto general) {
+    constexpr int D = decltype(dim)::value;
+    constexpr bool G = decltype(general)::value;
+    using Cfg = kern::FwdConfig<D, G>;
+    const auto kernel = kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, G>;
+    set_smem(kernel, Cfg::kSmemBytes);
+    const dim3 grid(ceil_div(p.shape.len_q, Cfg::kBlockM), p.shape.batch * p.shape.heads_q);
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace cuda
+}  // namespace flashv100

@@ -1,0 +1,187 @@
+"""attn_mask and dropout in the fused CUDA kernels (issue #6), on both tensor-core atoms."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torch_flash_v100 as tfv
+from attention_testing import assert_fa2_close, make_qkv
+from torch_flash_v100.reference import reference_attention
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.cuda]
+
+ops = torch.ops.flashv100
+B, H, L, S, E = 2, 4, 77, 93, 64
+SCALE = 1.0 / math.sqrt(E)
+
+
+@pytest.fixture(params=[True, False], ids=["volta", "native"])
+def atom(request):
+    with tfv.volta_atom(request.param):
+        yield request.param
+
+
+def make_mask(shape_class, kind, gen):
+    shape = {"padding": (B, 1, 1, S), "rows": (1, 1, L, S), "full": (B, H, L, S),
+             "head_bias": (1, H, 1, S), "expanded": (B, 1, 1, S)}[shape_class]
+    if kind == "bool":
+        mask = torch.rand(shape, generator=gen, device="cuda") < 0.8
+        mask[..., 0] = True  # keep every row partly visible here (hidden rows: own test)
+    else:
+        mask = (torch.randn(shape, generator=gen, device="cuda") * 2).to(getattr(torch, kind))
+    if shape_class == "expanded":  # zero strides on H and L
+        mask = mask.expand(B, H, L, S)
+    return mask
+
+
+def fused_all(q, k, v, mask, dropout_p, causal_mode, dout, mask_grad):
+    out, lse, rng = ops._attention_forward(q, k, v, mask, dropout_p, causal_mode, SCALE)
+    dq, dk, dv, dmask = ops._attention_backward(dout, q, k, v, mask, out, lse, rng, dropout_p,
+                                                causal_mode, SCALE, mask_grad, False)
+    return out, dq, dk, dv, dmask, rng
+
+
+def reference_all(q, k, v, mask, dropout_p, causal_mode, dout, keep, dtype, mask_grad):
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    m = mask
+    if mask is not None and mask.is_floating_point():
+        m = mask.detach().to(torch.float64 if dtype == torch.float64 else mask.dtype)
+        m.requires_grad_(mask_grad)
+    out = reference_attention(*leaves, attn_mask=m, dropout_p=dropout_p, scale=SCALE,
+                              causal_mode=causal_mode, enable_gqa=True,
+                              dropout_keep=None if keep is None else keep.to(dtype))
+    out.backward(dout.to(dtype))
+    grads = [t.grad for t in leaves]
+    return out.detach(), *grads, (m.grad if mask_grad else None)
+
+
+def check_against_reference(q, k, v, mask=None, dropout_p=0.0, causal_mode=0, mask_grad=False):
+    dout = torch.randn_like(q)
+    got = fused_all(q, k, v, mask, dropout_p, causal_mode, dout, mask_grad)
+    keep = None
+    if dropout_p > 0:
+        keep = ops._dropout_mask(got[-1], q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                 dropout_p)
+    ref64 = reference_all(q, k, v, mask, dropout_p, causal_mode, dout, keep, torch.float64,
+                          mask_grad)
+    base = reference_all(q, k, v, mask, dropout_p, causal_mode, dout, keep, q.dtype, mask_grad)
+    for name, a, r, bl in zip(["out", "dq", "dk", "dv"], got[:4], ref64[:4], base[:4]):
+        assert_fa2_close(a, r, bl, name=name)
+    if mask_grad:
+        dmask = got[4]
+        assert dmask.shape == mask.shape and dmask.dtype == mask.dtype
+        reduced_r = ref64[4].sum_to_size(mask.shape)
+        reduced_b = base[4].double().sum_to_size(mask.shape)
+        assert_fa2_close(dmask.double(), reduced_r, reduced_b, name="dmask",
+                         atol={torch.float64: 1e-8, torch.float32: 1e-4}.get(mask.dtype, 1e-2))
+    return got
+
+
+@pytest.mark.parametrize("shape_class", ["padding", "rows", "full", "head_bias", "expanded"])
+@pytest.mark.parametrize("kind", ["bool", "float32", "float16", "bfloat16", "float64"])
+def test_mask_shapes_and_dtypes(atom, shape_class, kind):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = make_qkv(B, H, H // 2, L, S, E, torch.float16, "cuda")
+    mask = make_mask(shape_class, kind, gen)
+    check_against_reference(q, k, v, mask, causal_mode=2 if kind == "float32" else 0)
+
+
+@pytest.mark.parametrize("shape_class", ["padding", "full"])
+def test_additive_mask_gradient(atom, shape_class):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = make_qkv(B, H, H, L, S, E, torch.float16, "cuda")
+    mask = make_mask(shape_class, "float32", gen)
+    check_against_reference(q, k, v, mask, causal_mode=1, mask_grad=True)
+
+
+@pytest.mark.parametrize("kind", ["bool", "neg_inf", "finfo_min"])
+def test_fully_masked_rows(atom, kind):
+    q, k, v = make_qkv(1, 2, 2, 40, 50, E, torch.float16, "cuda")
+    hidden = torch.zeros(1, 1, 40, 1, dtype=torch.bool, device="cuda")
+    hidden[:, :, :7] = True
+    if kind == "bool":
+        mask = (~hidden).expand(1, 1, 40, 50).contiguous()
+    else:
+        fill = float("-inf") if kind == "neg_inf" else torch.finfo(torch.float32).min
+        mask = torch.zeros(1, 1, 40, 50, device="cuda").masked_fill(hidden, fill)
+    out = check_against_reference(q, k, v, mask)[0]
+    if kind != "finfo_min":  # SDPA semantics: hidden rows give 0 (finfo.min: a uniform average)
+        assert torch.equal(out[:, :, :7], torch.zeros_like(out[:, :, :7]))
+
+
+def test_mask_with_gqa_and_strided_layout(atom):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = make_qkv(B, H, 1, L, S, E, torch.float16, "cuda", layout="blhe")
+    check_against_reference(q, k, v, make_mask("padding", "bool", gen), causal_mode=1)
+
+
+@pytest.mark.parametrize("causal_mode", [0, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout_matches_reference_with_same_keep_mask(atom, causal_mode, head_dim):
+    q, k, v = make_qkv(B, H, H // 2, L, S, head_dim, torch.float16, "cuda")
+    check_against_reference(q, k, v, dropout_p=0.2, causal_mode=causal_mode)
+
+
+def test_dropout_with_mask_and_mask_grad(atom):
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = make_qkv(B, H, H, L, S, E, torch.float16, "cuda")
+    check_against_reference(q, k, v, make_mask("full", "float32", gen), dropout_p=0.1,
+                            causal_mode=1, mask_grad=True)
+
+
+def test_dropout_reproducible_from_manual_seed(atom):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, E, torch.float16, "cuda")
+
+    def run():
+        return ops._attention_forward(q, k, v, None, 0.3, 0, SCALE)
+
+    torch.manual_seed(123)
+    out1, _, rng1 = run()
+    out2, _, rng2 = run()
+    torch.manual_seed(123)
+    out3, _, rng3 = run()
+    assert torch.equal(out1, out3) and torch.equal(rng1, rng3)
+    assert not torch.equal(out1, out2)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keep_rate(p):
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 1, 1, 8, 8, E, torch.float16, "cuda")
+    _, _, rng = ops._attention_forward(q, k, v, None, p, 0, SCALE)
+    keep = ops._dropout_mask(rng, 4, 8, 256, 256, p)
+    n = keep.numel()
+    rate = keep.float().mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_dropout_zero_reports_zero_rng_state(atom):
+    q, k, v = make_qkv(1, 2, 2, 16, 16, E, torch.float16, "cuda")
+    _, _, rng = ops._attention_forward(q, k, v, None, 0.0, 0, SCALE)
+    assert torch.equal(rng.cpu(), torch.zeros(2, dtype=torch.long))
+
+
+def test_dropout_under_cuda_graph_gives_fresh_masks(atom):
+    q, k, v = make_qkv(1, 2, 2, 48, 48, E, torch.float16, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops._attention_forward(q, k, v, None, 0.3, 0, SCALE)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, rng = ops._attention_forward(q, k, v, None, 0.3, 0, SCALE)
+    results = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        keep = ops._dropout_mask(rng, 1, 2, 48, 48, 0.3)
+        ref = reference_attention(q.double(), k.double(), v.double(), dropout_p=0.3,
+                                  dropout_keep=keep.double(), scale=SCALE)
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=1e-2)
+        results.append((out.clone(), rng.clone()))
+    assert not torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][0], results[1][0])
