@@ -78,7 +78,8 @@ j = arange_1[(None, slice(None, None, None))];  arange_1 = None
 le = j <= i;  j = i = None
 getitem_4 = l_keep_[(slice(None, None, None), None, None, slice(None, None, None))];  l_keep_ = None
 m = le & getitem_4;  le = getitem_4 = None
-attention_default = torch.ops.flashv100.attention.default(l_q_, l_k_, l_v_, m, 0.0, True, scale = 0.25, enable_gqa = True);  l_q_ = l_k_ = l_v_ = m = None
+where = torch.where(m, 0.0, -3.4028234663852886e+38);  m = None
+attention_default = torch.ops.flashv100.attention.default(l_q_, l_k_, l_v_, where, 0.0, True, scale = 0.25, enable_gqa = True);  l_q_ = l_k_ = l_v_ = where = None
 return (attention_default,)""")
 
     def test_einsum_blhd(self):

@@ -68,3 +68,13 @@ def test_gqa(fn, hk, train):
 def test_tiled_repeat_is_not_gqa(train):
     cap = check(tiled_repeat, qkv(h=4, hk=2), train=train)
     assert cap.attention_calls()[0]["enable_gqa"] is False
+
+
+def mqa_broadcast(q, k, v):  # Falcon multi-query: one k/v head broadcast by matmul
+    return F.softmax(q @ k.transpose(-1, -2) / 4, dim=-1) @ v
+
+
+@TRAIN
+def test_mqa_by_broadcasting(train):
+    cap = check(mqa_broadcast, qkv(h=4, hk=1), train=train)
+    assert cap.attention_calls()[0]["enable_gqa"] is True

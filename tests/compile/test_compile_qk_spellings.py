@@ -126,3 +126,60 @@ def test_cross_attention_shapes(train):
 @pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
 def test_dynamic_shapes(train):
     check(matmul_div, qkv(l=6, s=10), train=train, dynamic=True)
+
+
+def bloom_style(q, k, v, alibi):
+    # [B*H, L, E] operands, baddbmm with an ALiBi bias, 4-D view for the mask, 3-D bmm with v
+    b, h, l, e = q.shape
+    q3 = q.reshape(b * h, l, e)
+    k3 = k.reshape(b * h, -1, e).transpose(1, 2)
+    v3 = v.reshape(b * h, -1, e)
+    s = alibi.baddbmm(batch1=q3, batch2=k3, beta=1.0, alpha=0.25)
+    s = s.view(b, h, l, -1)
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(b * h, l, -1), v3).view(b, h, l, e)
+
+
+def deberta_style(q, k, v, keep):
+    # 3-D bmm scores viewed as 4-D for a bool mask on queries and keys, then back to 3-D
+    b, h, l, e = q.shape
+    q3, k3, v3 = (t.reshape(b * h, l, e) for t in (q, k, v))
+    s = torch.bmm(q3, k3.transpose(-1, -2) / 4.0).view(b, h, l, l)
+    m = keep[:, None, None, :] & keep[:, None, :, None]
+    s = s.masked_fill(~m, torch.finfo(s.dtype).min)
+    p = F.softmax(s, dim=-1)
+    return torch.bmm(p.view(-1, l, l), v3).view(b, h, l, e)
+
+
+@TRAIN
+def test_baddbmm_and_3d_4d_reshapes(train):
+    from compile_testing import no_grad_input
+    q, k, v = qkv()
+    alibi = no_grad_input(torch.randn(2 * 4, 1, 8))
+    check(bloom_style, (q, k, v, alibi), train=train)
+
+
+@TRAIN
+def test_reshaped_scores_with_fully_masked_rows(train):
+    # padded query rows are fully masked: eager gives a uniform average there; the rewrite
+    # keeps that (additive fp32 finfo.min mask), so the forward matches everywhere
+    q, k, v = qkv()
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[1, -3:] = False
+    cap = check(deberta_style, (q, k, v, keep), train=False)
+    assert cap.attention_calls()[0]["attn_mask"] is not None
+    if train:
+        # gradients match where the upstream gradient of padded rows is zero (as with any loss
+        # that ignores padding); the fully masked rows' probabilities are not differentiable
+        # the same way through an additive mask
+        from compile_testing import Capture, reset
+        reset()
+        fn = torch.compile(deberta_style, backend=Capture().backend())
+        go = torch.randn(2, 4, 8, 16)
+        go[1, :, -3:] = 0
+        grads = []
+        for f in (fn, deberta_style):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            grads.append(torch.autograd.grad(f(qq, kk, vv, keep), (qq, kk, vv), go))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3)

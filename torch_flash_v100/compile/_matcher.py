@@ -29,7 +29,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ._masks import MaskFacts, causal_bound, is_neg
-from ._ops import is_number, ndim, norm, shape, shapes_eq, sym_eq, val
+from ._ops import Op, is_number, ndim, norm, shape, shapes_eq, sym_eq, val
 
 log = logging.getLogger("torch_flash_v100.compile")
 
@@ -262,6 +262,10 @@ class AttentionRewriter:
                 fwd.append(u)
                 cur = u
                 continue
+            if uo.name == "reshape" and uo.get("self") is cur and _last2_kept(cur, u):
+                fwd.append(u)
+                cur = u
+                continue
             if uo.name == "matmul" and uo.get("self") is cur and uo.get("other") is not cur:
                 pv, pv_kind = uo, "matmul"
                 break
@@ -275,7 +279,9 @@ class AttentionRewriter:
         steps: list[tuple] = []
         cur = x
         qk = None
+        chain: list[Node] = []
         for _ in range(64):
+            chain.append(cur)
             o = norm(cur)
             if o is None:
                 raise Reject(f"softmax input comes from {cur.op} {cur.target}, "
@@ -283,6 +289,20 @@ class AttentionRewriter:
             if o.name == "matmul" or (o.name == "einsum" and len(o.varargs or []) == 2):
                 qk = o
                 break
+            if o.name == "baddbmm":  # beta * input + alpha * (batch1 @ batch2)
+                beta, alpha = o.get("beta", 1), o.get("alpha", 1)
+                if not (is_number(beta) and is_number(alpha)):
+                    raise Reject("baddbmm with non-constant alpha/beta")
+                if beta != 0:
+                    steps.append(("add", o.get("self"), float(beta)))
+                steps.append(("scale", float(alpha)))
+                qk = Op("matmul", {"self": o.get("batch1"), "other": o.get("batch2")}, None,
+                        cur)
+                break
+            if o.name == "reshape" and _last2_kept(o.get("self"), cur):
+                steps.append(("reshape", cur))
+                cur = o.get("self")
+                continue
             if o.name in ("mul", "div"):
                 a, b = o.get("self"), o.get("other")
                 if is_number(b):
@@ -342,9 +362,17 @@ class AttentionRewriter:
             raise Reject(f"unsupported {o.name} between q @ k^T and softmax")
         if qk is None:
             raise Reject("no q @ k^T product found")
-        scores_shape = shape(qk.node)
-        if scores_shape is None or not shapes_eq(scores_shape, shape(x)):
-            raise Reject("the mask broadcasts the scores to a larger shape")
+        # the scores keep their shape from the product to the softmax (up to reshapes of the
+        # leading dims): a mask never broadcasts them to a larger shape
+        prev = shape(qk.node)
+        for n in reversed(chain):
+            sn = shape(n)
+            if prev is None or sn is None:
+                raise Reject("no shape metadata")
+            if not shapes_eq(prev, sn) and not (norm(n).name == "reshape" and
+                                                _last2_kept(norm(n).get("self"), n)):
+                raise Reject("the mask broadcasts the scores to a larger shape")
+            prev = sn
 
         em = _Emitter(self.graph, pv.node, self.key)
         try:
@@ -368,7 +396,9 @@ class AttentionRewriter:
                 return True
             return o.name in ("mul", "add") and isinstance(b, Node) and \
                 self._reaches_scores(b, depth + 1)
-        if o.name == "masked_fill" or o.name in _CASTS or o.name == "identity":
+        if o.name == "baddbmm":
+            return True
+        if o.name in ("masked_fill", "reshape") or o.name in _CASTS or o.name == "identity":
             return self._reaches_scores(o.get("self"), depth + 1)
         if o.name == "where":
             return any(self._reaches_scores(o.get(k), depth + 1) for k in ("self", "other"))
@@ -461,6 +491,17 @@ class AttentionRewriter:
             if out != std:
                 out_perm = [std.index(c) for c in out]
 
+        # ---- layouts: the op runs in the softmax's layout (leading dims of the scores there) ----
+        sb = shape(sm.get("self"))[:-2]
+        qb = shape(qk.node)[:-2]
+        p_in = pv.get("self") if pv_kind == "matmul" else pv.varargs[0]
+        pb = shape(p_in)[:-2]
+        if pv_kind == "einsum" and not shapes_eq(pb, sb):
+            raise Reject("einsum p @ v after a reshape of the probabilities")
+        q = self._relayout(q, qb, sb, em)
+        k = self._relayout(k, qb, sb, em)
+        v = self._relayout(v, pb, sb, em)
+
         self._check_device(q)
         qv, kv, vv = val(q), val(k), val(v)
         for t, nm in ((qv, "q"), (kv, "k"), (vv, "v")):
@@ -475,9 +516,17 @@ class AttentionRewriter:
                          f"{qv.dtype}")
         if qv.dim() < 2:
             raise Reject("q has fewer than 2 dims")
+        gqa_bcast = False
         if not (shapes_eq(qv.shape[:-2], kv.shape[:-2]) and shapes_eq(kv.shape[:-2],
                                                                         vv.shape[:-2])):
-            raise Reject("q/k/v batch dims differ (broadcasting)")
+            # multi-query attention by broadcasting one k/v head: SDPA's GQA with Hk = 1
+            if qv.dim() == 4 and kv.dim() == 4 and vv.dim() == 4 and \
+                    shapes_eq(qv.shape[:-3], kv.shape[:-3]) and \
+                    shapes_eq(qv.shape[:-3], vv.shape[:-3]) and \
+                    sym_eq(kv.shape[-3], 1) and sym_eq(vv.shape[-3], 1):
+                gqa_bcast = True
+            else:
+                raise Reject("q/k/v batch dims differ (broadcasting)")
         if not (sym_eq(qv.shape[-1], kv.shape[-1]) and sym_eq(kv.shape[-2], vv.shape[-2])):
             raise Reject("q/k/v inner dims do not match")
         for n in [sm.node] + fwd:
@@ -496,9 +545,12 @@ class AttentionRewriter:
         pieces: list[tuple[Any, str]] = []
         scale_nodes: list[tuple[Node, str]] = []
         ops: list[tuple] = []  # deferred mask emission: (kind, *args)
+        cur_b = qb
         for st in reversed(steps):
             kind = st[0]
-            if kind == "scale":
+            if kind == "reshape":
+                cur_b = shape(st[1])[:-2]
+            elif kind == "scale":
                 c = st[1]
                 if c <= 0 and (pieces or ops):
                     raise Reject("non-positive scale applied after a mask")
@@ -517,7 +569,7 @@ class AttentionRewriter:
                 if not isinstance(mv, torch.Tensor) or not mv.is_floating_point():
                     raise Reject("additive mask is not a floating tensor")
                 pieces.append((m, "additive"))
-                ops.append(("add", m))
+                ops.append(("add", m, st[2] if len(st) > 2 else 1.0, cur_b))
             else:  # fill / fill_not: (cond, value); fill: cond True -> masked
                 cond, value = st[1], st[2]
                 fv = self.facts.fact(value)
@@ -528,7 +580,7 @@ class AttentionRewriter:
                 if not isinstance(cv, torch.Tensor) or cv.dtype != torch.bool:
                     raise Reject("fill condition is not a bool tensor")
                 pieces.append((cond, "masked" if kind == "fill" else "keep"))
-                ops.append(("fill", cond, kind == "fill"))
+                ops.append(("fill", cond, kind == "fill", cur_b, fv[1]))
 
         implied = False
         exact = False
@@ -545,7 +597,10 @@ class AttentionRewriter:
         if not exact:
             for o in ops:
                 if o[0] == "add":
-                    add_mask = o[1] if add_mask is None else em(torch.add, (add_mask, o[1]))
+                    m = self._piece_to(o[1], o[3], sb, em)
+                    if o[2] != 1.0:
+                        m = em(torch.mul, (m, o[2]))
+                    add_mask = m if add_mask is None else em(torch.add, (add_mask, m))
                 elif o[0] == "mul_add":
                     if add_mask is not None:
                         add_mask = em(torch.mul, (add_mask, o[1]))
@@ -553,8 +608,22 @@ class AttentionRewriter:
                     if add_mask is not None:
                         add_mask = em(torch.mul if o[2] == "mul" else torch.div,
                                       (add_mask, o[1]))
-                else:
+                elif o[4] != -math.inf:
+                    # A finite fill (finfo.min, -1e9...): an additive fp32 finfo.min mask, which
+                    # saturates like the fill does, so rows with every key masked stay uniform
+                    # as in eager (a bool mask would make them zero).
                     cond, masked = o[1], o[2]
+                    co = norm(cond)
+                    if masked and co is not None and co.name == "not" and \
+                            val(co.get("self")) is not None and \
+                            val(co.get("self")).dtype == torch.bool:
+                        cond, masked = co.get("self"), False
+                    cond = self._piece_to(cond, o[3], sb, em)
+                    lo = torch.finfo(torch.float32).min
+                    m = em(torch.where, (cond, lo, 0.0) if masked else (cond, 0.0, lo))
+                    add_mask = m if add_mask is None else em(torch.add, (add_mask, m))
+                else:
+                    cond, masked = self._piece_to(o[1], o[3], sb, em), o[2]
                     if masked:
                         co = norm(cond)
                         if co is not None and co.name == "not" and \
@@ -576,9 +645,13 @@ class AttentionRewriter:
             q = em(torch.mul if how == "mul" else torch.div, (q, n))
 
         # ---- GQA ----
-        k, v, gqa = self._strip_gqa(k, v)
+        if gqa_bcast:
+            gqa = True
+        else:
+            k, v, gqa = self._strip_gqa(k, v)
 
         result = self._emit_op(em, q, k, v, mask, dropout_p, implied, scale, gqa)
+        result = self._relayout(result, sb, pb, em)
         if out_perm is not None:
             result = em(torch.permute, (result, out_perm))
         self._replace(pv.node, result, [sm.node] + fwd)
@@ -592,6 +665,42 @@ class AttentionRewriter:
         if gqa:
             desc.append("enable_gqa=True")
         return "flashv100.attention(" + ", ".join(desc) + ")"
+
+    @staticmethod
+    def _relayout(n: Any, frm, to, em) -> Any:
+        """Reshape the leading (batch) dims of n from ``frm`` to ``to`` (same element count)."""
+        if shapes_eq(frm, to):
+            return n
+        if not frm or not to:
+            raise Reject("scores reshaped to or from a 2-D layout")
+        sizes = [d if isinstance(d, int) else None for d in to]
+        if sizes.count(None) > 1:
+            raise Reject("reshape of the scores with several dynamic leading dims")
+        sizes = [-1 if d is None else d for d in sizes]
+        x = n
+        if len(frm) > 1:
+            x = em(torch.flatten, (x, 0, len(frm) - 1))
+        if len(to) > 1:
+            x = em(torch.unflatten, (x, 0, tuple(sizes)))
+        return x
+
+    def _piece_to(self, piece: Any, cur_b, sb, em) -> Any:
+        """A mask piece applied to the scores in layout ``cur_b``, expressed in layout ``sb``."""
+        if shapes_eq(cur_b, sb):
+            return piece
+        ps = shape(piece)
+        if ps is None:
+            raise Reject("mask without shape metadata")
+        pbat = ps[:-2]
+        if len(ps) <= 2:
+            return piece
+        if all(sym_eq(d, 1) for d in pbat):
+            import operator
+            return em(operator.getitem, (piece, (0,) * len(pbat)))
+        if len(pbat) == len(cur_b) and shapes_eq(pbat, cur_b):
+            return self._relayout(piece, cur_b, sb, em)
+        raise Reject("mask broadcast over part of the batch, applied before a reshape of the "
+                     "scores")
 
     def _peel_scale(self, n: Any) -> tuple[Any, float]:
         s = 1.0
@@ -742,6 +851,12 @@ def _is_insert_at2(index) -> bool:
         return items[1:] == [None, slice(None), slice(None)]
     return (len(items) >= 3 and items[0] == slice(None) and items[1] == slice(None)
             and items[2] is None and all(i == slice(None) or i is Ellipsis for i in items[3:]))
+
+
+def _last2_kept(a: Any, b: Any) -> bool:
+    sa, sb = shape(a), shape(b)
+    return (sa is not None and sb is not None and len(sa) >= 2 and len(sb) >= 2 and
+            sym_eq(sa[-1], sb[-1]) and sym_eq(sa[-2], sb[-2]))
 
 
 def _is_float(n: Node) -> bool:
