@@ -339,7 +339,8 @@ class AttentionRewriter:
                     steps.append(("add", a))
                     cur = b
                 else:
-                    raise Reject("no q @ k^T product behind the add")
+                    raise Reject("no q @ k^T product behind the add (the scores come through "
+                                 f"unsupported {self._blocker(a) or self._blocker(b)})")
                 continue
             if o.name == "masked_fill":
                 steps.append(("fill", o.get("mask"), o.get("value")))
@@ -380,6 +381,19 @@ class AttentionRewriter:
         except Reject:
             em.undo()
             raise
+
+    def _blocker(self, n: Any, depth: int = 0) -> Optional[str]:
+        """The first op on the score path that the matcher does not understand."""
+        if depth > 32 or not isinstance(n, Node):
+            return None
+        o = norm(n)
+        if o is None:
+            return _desc(n)
+        for key in ("self", "other", "condition"):
+            a = o.get(key)
+            if isinstance(a, Node) and ndim(a) is not None and ndim(a) >= 2:
+                return self._blocker(a, depth + 1)
+        return None
 
     def _reaches_scores(self, n: Any, depth: int = 0) -> bool:
         """Whether following the score path from n reaches a matmul/einsum."""
@@ -851,6 +865,13 @@ def _is_insert_at2(index) -> bool:
         return items[1:] == [None, slice(None), slice(None)]
     return (len(items) >= 3 and items[0] == slice(None) and items[1] == slice(None)
             and items[2] is None and all(i == slice(None) or i is Ellipsis for i in items[3:]))
+
+
+def _desc(n: Any) -> str:
+    if not isinstance(n, Node):
+        return repr(n)
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
 def _last2_kept(a: Any, b: Any) -> bool:
