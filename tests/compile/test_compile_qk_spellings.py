@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_testing import check, qkv
+from compile_testing import DEVICE, check, qkv
 
 TRAIN = pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
 
@@ -114,7 +114,7 @@ def test_scale_value_folded(train):
 @TRAIN
 def test_tensor_scale_goes_onto_q(train):
     q, k, v = qkv()
-    check(tensor_scale, (q, k, v, torch.tensor(0.3)), train=train)
+    check(tensor_scale, (q, k, v, torch.tensor(0.3, device=DEVICE)), train=train)
 
 
 @TRAIN
@@ -155,7 +155,7 @@ def deberta_style(q, k, v, keep):
 def test_baddbmm_and_3d_4d_reshapes(train):
     from compile_testing import no_grad_input
     q, k, v = qkv()
-    alibi = no_grad_input(torch.randn(2 * 4, 1, 8))
+    alibi = no_grad_input(torch.randn(2 * 4, 1, 8, device=DEVICE))
     check(bloom_style, (q, k, v, alibi), train=train)
 
 
@@ -164,7 +164,7 @@ def test_reshaped_scores_with_fully_masked_rows(train):
     # padded query rows are fully masked: eager gives a uniform average there; the rewrite
     # keeps that (additive fp32 finfo.min mask), so the forward matches everywhere
     q, k, v = qkv()
-    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep = torch.ones(2, 8, dtype=torch.bool, device=DEVICE)
     keep[1, -3:] = False
     cap = check(deberta_style, (q, k, v, keep), train=False)
     assert cap.attention_calls()[0]["attn_mask"] is not None
@@ -175,7 +175,7 @@ def test_reshaped_scores_with_fully_masked_rows(train):
         from compile_testing import Capture, reset
         reset()
         fn = torch.compile(deberta_style, backend=Capture().backend())
-        go = torch.randn(2, 4, 8, 16)
+        go = torch.randn(2, 4, 8, 16, device=DEVICE)
         go[1, :, -3:] = 0
         grads = []
         for f in (fn, deberta_style):

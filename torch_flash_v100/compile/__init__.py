@@ -81,6 +81,15 @@ class FlashV100Pass(_PassBase):
 
     def uuid(self) -> Optional[Any]:
         parts = [_SOURCE_HASH, f"force={self.force}"]
+        if not self.force:
+            # what gets rewritten depends on the GPUs' compute capability, which the cache key
+            # does not otherwise see
+            try:
+                if torch.cuda.is_available():
+                    parts.append(repr([torch.cuda.get_device_capability(i)
+                                       for i in range(torch.cuda.device_count())]))
+            except Exception:  # pragma: no cover
+                pass
         for p in _as_list(self.previous):
             u = p.uuid() if hasattr(p, "uuid") else None
             if u is None:

@@ -905,6 +905,7 @@ def rewrite(graph: Graph, force: bool = False) -> AttentionRewriter:
     rw = AttentionRewriter(graph, force=force)
     rw.run()
     history.extend(rw.results)
+    del history[:-10000]
     if rw.fused:
         graph.lint()
     return rw
