@@ -456,7 +456,10 @@ class AttentionRewriter:
                 perm = _perm_of(bo) if bo is not None and bo.name == "permute" else None
                 if perm is not None and len(perm) == nd:
                     perm[-1], perm[-2] = perm[-2], perm[-1]
-                    k = em(torch.permute, (bo.get("self"), perm))
+                    if perm == list(range(nd)):
+                        k = bo.get("self")
+                    else:
+                        k = em(torch.permute, (bo.get("self"), perm))
                 else:
                     k = em(torch.transpose, (B, -2, -1))
         else:
