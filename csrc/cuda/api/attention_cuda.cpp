@@ -18,13 +18,27 @@
 namespace flashv100 {
 namespace cuda {
 
-void debug_log(const char* op, const char* path, const char* reason) {
+bool debug_enabled() {
   static const bool enabled = [] {
     const char* v = std::getenv("FLASHV100_DEBUG");
     return v != nullptr && std::strcmp(v, "0") != 0 && std::strcmp(v, "") != 0;
   }();
-  if (enabled) std::fprintf(stderr, "[flashv100] %s: %s%s%s\n", op, path, reason ? ": " : "",
-                            reason ? reason : "");
+  return enabled;
+}
+
+void debug_log(const char* op, const char* path, const char* reason) {
+  if (debug_enabled())
+    std::fprintf(stderr, "[flashv100] %s: %s%s%s\n", op, path, reason ? ": " : "",
+                 reason ? reason : "");
+}
+
+void debug_kernel(const char* kernel, int head_dim_bucket, bool general, int block_m, int block_n,
+                  int threads, int smem_bytes) {
+  if (debug_enabled())
+    std::fprintf(stderr,
+                 "[flashv100]   %s<head dim %d, %s>: tile %d x %d, %d threads, %d B shared\n",
+                 kernel, head_dim_bucket, general ? "mask/dropout" : "plain", block_m, block_n,
+                 threads, smem_bytes);
 }
 
 namespace {

@@ -44,8 +44,12 @@ at::Tensor fallback_backward(const at::Tensor& grad_out, const at::Tensor& query
                              bool mask_requires_grad, const at::Tensor& grad_query,
                              const at::Tensor& grad_key, const at::Tensor& grad_value);
 
-// FLASHV100_DEBUG=1: one stderr line per op call saying which path ran and why.
+// FLASHV100_DEBUG=1: one stderr line per op call saying which path ran and why, and one per
+// kernel launch with its tile configuration and dynamic shared memory.
+bool debug_enabled();
 void debug_log(const char* op, const char* path, const char* reason);
+void debug_kernel(const char* kernel, int head_dim_bucket, bool general, int block_m, int block_n,
+                  int threads, int smem_bytes);
 
 }  // namespace cuda
 }  // namespace flashv100

@@ -17,6 +17,7 @@ void run_fused_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& 
     using Cfg = kern::FwdConfig<D, G>;
     const auto kernel = kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, G>;
     set_smem(kernel, Cfg::kSmemBytes);
+    debug_kernel("flash_fwd", D, G, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads, Cfg::kSmemBytes);
     const dim3 grid(ceil_div(p.shape.len_q, Cfg::kBlockM), p.shape.batch * p.shape.heads_q);
     kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -27,7 +27,9 @@ constexpr __host__ __device__ int head_dim_bucket(int d) {
 template <int kHeadDim, bool kGeneral>
 struct FwdTile {
   static constexpr int kBlockM = 64, kWarps = 4;
-  static constexpr int kBlockN = kHeadDim <= 64 || (kHeadDim == 128 && !kGeneral) ? 64 : 16;
+  // Keys per tile: plain 64 up to head dim 128; general 64 / 32 / 16 / 16 for 32 / 64 / 128 / 256.
+  static constexpr int kBlockN = !kGeneral ? (kHeadDim <= 128 ? 64 : 16)
+                                           : (kHeadDim <= 32 ? 64 : kHeadDim == 64 ? 32 : 16);
 };
 
 template <int kHeadDim_, bool kGeneral_>
@@ -37,13 +39,15 @@ struct FwdConfig : FwdTile<kHeadDim_, kGeneral_> {
   static constexpr bool kGeneral = kGeneral_;
   static constexpr int kThreads = T::kWarps * 32;
   static constexpr int kWarpRows = T::kBlockM / T::kWarps;
-  static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K: [rows][head dim]
-  static constexpr int kLdVt = T::kBlockN + kSmemPad;   // V stored transposed: [head dim][keys]
+  static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]
+  static constexpr int kLdVt = T::kBlockN + kSmemPad;   // or V^T: [head dim][keys]
   static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
+  static constexpr int kVElems = kHeadDim * kLdVt > T::kBlockN * kLdQK ? kHeadDim * kLdVt
+                                                                       : T::kBlockN * kLdQK;
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + T::kBlockM * kLdQK;
-  static constexpr int kVtOffset = kKOffset + T::kBlockN * kLdQK;
-  static constexpr int kPOffset = kVtOffset + kHeadDim * kLdVt;
+  static constexpr int kVOffset = kKOffset + T::kBlockN * kLdQK;
+  static constexpr int kPOffset = kVOffset + kVElems;
   static constexpr int kSmemBytes = (kPOffset + T::kBlockM * kLdP) * 2;
   static_assert(kSmemBytes <= kVoltaMaxSmemBytes, "forward tile exceeds Volta shared memory");
 };

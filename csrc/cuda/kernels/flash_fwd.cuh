@@ -1,9 +1,11 @@
 // FlashAttention-2 forward: one block per (query tile, batch*head). Q stays in shared memory, K/V
 // tiles stream through it; S and the fp32 O accumulator live in registers, the online softmax runs
 // in fp32 on the accumulator map. P goes through a warp-private shared tile to become the A operand
-// of P.V (the accumulator and A-operand layouts differ on Volta). The attn_mask bias is added to
-// the scores and dropout is applied to P after the row sums (the softmax normalizes undropped P).
-// Scores stay in natural-log units until exponentiation so that finfo.min biases cannot overflow.
+// of P.V (the accumulator and A-operand layouts differ on Volta). V is stored transposed for atoms
+// that read fragments pair by pair (Volta: pairs along keys), as is for ldmatrix atoms (.trans).
+// The attn_mask bias is added to the scores and dropout is applied to P after the row sums (the
+// softmax normalizes undropped P). Scores stay in natural-log units until exponentiation so that
+// finfo.min biases cannot overflow.
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
@@ -27,7 +29,8 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
   uint16_t* smem = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sQ = smem + Cfg::kQOffset;
   uint16_t* sK = smem + Cfg::kKOffset;
-  uint16_t* sVt = smem + Cfg::kVtOffset;
+  uint16_t* sV = smem + Cfg::kVOffset;
+  constexpr bool kVTransposed = !Atom::kLdmatrix;
   uint16_t* sP = smem + Cfg::kPOffset;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -60,7 +63,14 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
   const KMajor q_op{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
   const KMajor k_op{sK, Cfg::kLdQK};
   const KMajor p_op{sP + warp_row0 * Cfg::kLdP, Cfg::kLdP};
-  const KMajor vt_op{sVt, Cfg::kLdVt};
+  // B operand of P.V: V(j, e) addressed as (n = e, k = j).
+  const auto v_op = [&] {
+    if constexpr (kVTransposed) {
+      return KMajor{sV, Cfg::kLdVt};
+    } else {
+      return MMajor{sV, Cfg::kLdQK};
+    }
+  }();
 
   const int key_end = vis.key_end(m0 + kBlockM);
   for (int n0 = 0; n0 < key_end; n0 += kBlockN) {
@@ -68,8 +78,9 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
     const int keys_valid = vis.len_kv - n0;
     load_tile<kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
                                            p.k_strides.row, keys_valid, d, tid);
-    load_tile<kBlockN, kHeadDim, kThreads, true>(sVt, Cfg::kLdVt, v_head + n0 * p.v_strides.row,
-                                                 p.v_strides.row, keys_valid, d, tid);
+    load_tile<kBlockN, kHeadDim, kThreads, kVTransposed>(
+        sV, kVTransposed ? Cfg::kLdVt : Cfg::kLdQK, v_head + n0 * p.v_strides.row,
+        p.v_strides.row, keys_valid, d, tid);
     __syncthreads();
 
     SAcc s;
@@ -127,7 +138,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
 
     store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, 0, lane);
     __syncwarp();
-    warp_gemm<Atom, Elem>(o, p_op, vt_op, kBlockN, n_extent, lane);
+    warp_gemm<Atom, Elem>(o, p_op, v_op, kBlockN, n_extent, lane);
     __syncwarp();  // P is rewritten by the next tile
   }
 

@@ -4,6 +4,8 @@
 //
 // Operands are 16-bit pairs: A register j of a lane holds A(a_row, a_col) and A(a_row, a_col + 1);
 // B register j holds B^T(b_col, b_k) and B^T(b_col, b_k + 1), i.e. B is addressed as (n, k).
+// kLdmatrix atoms also load whole fragments from a shared-memory operand (warp_tile.cuh's
+// SmemOperand: at(m, k) and kKContiguous) themselves.
 // Accumulator element i sits at (c_row, c_col); c_col(i ^ 1) == c_col(i) ^ 1, so elements (2k, 2k+1)
 // are column neighbours. The rows a lane holds are indexed by a "row slot", and the lanes sharing
 // a row differ exactly in the bits of kRowLaneMask (used for row reductions via shuffles).
@@ -19,6 +21,7 @@ namespace kern {
 // and columns 8*(q>>1), so one instruction computes a 16x16x4 warp tile.
 struct VoltaAtom {
   static constexpr int kM = 16, kN = 16, kK = 4;
+  static constexpr bool kLdmatrix = false;  // sm_70 has no ldmatrix
   static constexpr int kARegs = 2, kBRegs = 2, kCRegs = 8;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b01010;  // lanes of a row differ in bits 1 and 3
@@ -56,6 +59,7 @@ struct VoltaAtom {
 // Ampere+ mma.m16n8k16 (fp16 or bf16 inputs, fp32 accumulate).
 struct AmpereAtom {
   static constexpr int kM = 16, kN = 8, kK = 16;
+  static constexpr bool kLdmatrix = true;
   static constexpr int kARegs = 4, kBRegs = 2, kCRegs = 4;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b00011;  // lanes of a row differ in bits 0 and 1
@@ -68,6 +72,50 @@ struct AmpereAtom {
   static __device__ __forceinline__ int slot_row(int lane, int slot) { return (lane >> 2) + 8 * slot; }
   static __device__ __forceinline__ int c_row(int lane, int i) { return slot_row(lane, row_slot(i)); }
   static __device__ __forceinline__ int c_col(int lane, int i) { return (lane & 3) * 2 + (i & 1); }
+
+  // The A fragment of the 16x16 block at (m0, k0): four 8x8 matrices (rows 0-7 / 8-15 x k 0-7 /
+  // 8-15); lane i addresses row i % 8 of matrix i / 8. A k-contiguous operand gives rows of A;
+  // otherwise the stored rows are rows of A^T and ldmatrix.trans transposes them.
+  template <class Op>
+  static __device__ __forceinline__ void load_a(const Op& op, int m0, int k0, int lane,
+                                                uint32_t (&a)[kARegs]) {
+    const int q = lane >> 3, r = lane & 7;
+    const int m = m0 + 8 * (q & 1), k = k0 + 8 * (q >> 1);
+    const uint16_t* row = Op::kKContiguous ? op.at(m + r, k) : op.at(m, k + r);
+#if FLASHV100_SM80
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    if constexpr (Op::kKContiguous) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+    }
+#else
+    (void)row;
+    __trap();
+#endif
+  }
+  // The B fragment of the 8(n) x 16(k) block at (n0, k0): two 8x8 matrices (k 0-7 / 8-15).
+  template <class Op>
+  static __device__ __forceinline__ void load_b(const Op& op, int n0, int k0, int lane,
+                                                uint32_t (&b)[kBRegs]) {
+    const int q = (lane >> 3) & 1, r = lane & 7;
+    const uint16_t* row = Op::kKContiguous ? op.at(n0 + r, k0 + 8 * q) : op.at(n0, k0 + 8 * q + r);
+#if FLASHV100_SM80
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    if constexpr (Op::kKContiguous) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                   : "=r"(b[0]), "=r"(b[1]) : "r"(addr));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                   : "=r"(b[0]), "=r"(b[1]) : "r"(addr));
+    }
+#else
+    (void)row;
+    __trap();
+#endif
+  }
 
   template <class Elem>
   static __device__ __forceinline__ void mma(float (&c)[kCRegs], const uint32_t (&a)[kARegs],

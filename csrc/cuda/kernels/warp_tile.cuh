@@ -10,11 +10,16 @@ namespace kern {
 // A 16-bit matrix in shared memory, row-major with leading dimension `ld` (elements), read as a
 // GEMM operand X(m, k). kKContiguous: X(m, k) = base[m * ld + k] (pairs along k are one 32-bit
 // load); otherwise the operand is the transpose of the stored matrix, X(m, k) = base[k * ld + m].
-template <bool kKContiguous>
+template <bool kKContiguous_>
 struct SmemOperand {
+  static constexpr bool kKContiguous = kKContiguous_;
   const uint16_t* base;
   int ld;
 
+  // Address of X(m, k).
+  __device__ __forceinline__ const uint16_t* at(int m, int k) const {
+    return kKContiguous ? base + m * ld + k : base + k * ld + m;
+  }
   __device__ __forceinline__ uint32_t pair(int m, int k) const {
     if constexpr (kKContiguous) {
       return *reinterpret_cast<const uint32_t*>(base + m * ld + k);
@@ -86,6 +91,7 @@ struct WarpAccum {
 };
 
 // acc += A * B with A(m, k) over the warp tile's rows and B addressed as (n, k) over its columns.
+// Fragments come pair by pair through the atom's coordinate map, or from the atom's own loader.
 // k_extent (a multiple of Atom::kK) bounds the reduction; column fragments at or beyond n_extent
 // are skipped (they only cover head-dim padding).
 template <class Atom, class Elem, class Acc, class AOp, class BOp>
@@ -95,17 +101,26 @@ __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, 
   for (int k0 = 0; k0 < k_extent; k0 += Atom::kK) {
     uint32_t af[Acc::kFragM][Atom::kARegs];
 #pragma unroll
-    for (int fm = 0; fm < Acc::kFragM; ++fm)
+    for (int fm = 0; fm < Acc::kFragM; ++fm) {
+      if constexpr (Atom::kLdmatrix) {
+        Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < Atom::kARegs; ++j)
-        af[fm][j] = a.pair(fm * Atom::kM + Atom::a_row(lane, j), k0 + Atom::a_col(lane, j));
+        for (int j = 0; j < Atom::kARegs; ++j)
+          af[fm][j] = a.pair(fm * Atom::kM + Atom::a_row(lane, j), k0 + Atom::a_col(lane, j));
+      }
+    }
 #pragma unroll
     for (int fn = 0; fn < Acc::kFragN; ++fn) {
       if (fn * Atom::kN >= n_extent) continue;
       uint32_t bf[Atom::kBRegs];
+      if constexpr (Atom::kLdmatrix) {
+        Atom::load_b(b, fn * Atom::kN, k0, lane, bf);
+      } else {
 #pragma unroll
-      for (int j = 0; j < Atom::kBRegs; ++j)
-        bf[j] = b.pair(fn * Atom::kN + Atom::b_col(lane, j), k0 + Atom::b_k(lane, j));
+        for (int j = 0; j < Atom::kBRegs; ++j)
+          bf[j] = b.pair(fn * Atom::kN + Atom::b_col(lane, j), k0 + Atom::b_k(lane, j));
+      }
 #pragma unroll
       for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::template mma<Elem>(acc.c[fm][fn], af[fm], bf);
     }
