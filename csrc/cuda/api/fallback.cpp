@@ -52,11 +52,15 @@ Probs softmax_probs(const at::Tensor& q, const at::Tensor& k,
     const at::Tensor cols = at::arange(len_kv, idx).unsqueeze(0);
     scores = scores.masked_fill(cols > rows + shift, -INFINITY);
   }
+  // Normalize by the sum, not by exp(lse): with huge biases (finfo.min on a whole row) log(sum)
+  // vanishes next to the max in lse, and the row must still average (as SDPA math does).
   Probs r;
-  r.lse = at::logsumexp(scores, -1);
-  const at::Tensor empty_row = r.lse.isneginf();
-  const at::Tensor safe_lse = r.lse.masked_fill(empty_row, 0.0);
-  r.probs = at::exp(scores - safe_lse.unsqueeze(-1)).masked_fill(empty_row.unsqueeze(-1), 0.0);
+  const at::Tensor row_max = scores.amax(-1, true);
+  const at::Tensor empty_row = row_max.isneginf();
+  const at::Tensor exps = at::exp(scores - row_max.masked_fill(empty_row, 0.0));
+  const at::Tensor sums = exps.sum(-1, true);
+  r.probs = (exps / sums).masked_fill(empty_row, 0.0);
+  r.lse = (row_max + sums.log()).squeeze(-1);
   if (dropout_p > 0.0) {
     const at::Tensor keep = dropout_keep_mask(rng_state, q.size(0), q.size(1), len_q, len_kv,
                                               dropout_p);
