@@ -16,7 +16,8 @@ is rewritten; ``force=True`` rewrites on every device, CPU included.
 
 Every rewritten site increments ``torch._dynamo.utils.counters["flashv100"]["fused_attention"]``.
 Every softmax/SDPA site considered is logged on the ``torch_flash_v100.compile`` logger (INFO),
-with the reason when it is not rewritten; ``TORCH_LOGS=flashv100`` turns that log on.
+with the reason when it is not rewritten; ``TORCH_LOGS=torch_flash_v100`` (or
+``torch._logging.set_logs(modules={"torch_flash_v100": logging.INFO})``) turns that log on.
 """
 
 from __future__ import annotations
@@ -178,17 +179,6 @@ def _register() -> None:
             register_backend(_flashv100_default_backend, name="flashv100")
     except Exception as e:  # pragma: no cover
         log.warning("could not register the 'flashv100' dynamo backend: %s", e)
-    try:
-        from torch._logging._internal import register_log
-        register_log("flashv100", "torch_flash_v100")
-    except Exception:  # pragma: no cover
-        pass
-    settings = os.environ.get("TORCH_LOGS", "")
-    if any(s.strip().lstrip("+") == "flashv100" for s in settings.split(",")):
-        lg = logging.getLogger("torch_flash_v100")
-        lg.setLevel(logging.DEBUG if "+flashv100" in settings else logging.INFO)
-        if not lg.handlers:
-            lg.addHandler(logging.StreamHandler())
 
 
 _register()

@@ -244,6 +244,8 @@ class AttentionRewriter:
                              f"{cur.name})" if users else "softmax result unused")
             u = users[0]
             uo = norm(u)
+            if u.op == "output":
+                raise Reject("attention probabilities used elsewhere (returned from the graph)")
             if uo is None:
                 raise Reject(f"probabilities feed {u.op} {u.target}, not a matmul with v")
             if uo.name in _CASTS or uo.name == "identity":
