@@ -110,3 +110,40 @@ def test_reasons_are_logged(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == "torch_flash_v100.compile"]
     assert any("NOT rewritten" in m and "used elsewhere" in m for m in msgs), msgs
     assert any("test_compile_negative.py" in m for m in msgs), msgs  # user code location
+
+
+def k_mutated_inside(q, k, v):
+    s = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+    k.mul_(2.0)  # k changes between q @ k^T and p @ v: the fused op would read the new k
+    return F.softmax(s, dim=-1) @ v, k
+
+
+def test_mutation_inside_attention_not_rewritten():
+    check_not_rewritten(k_mutated_inside, qkv(), reason="mutated in place")
+
+
+def test_inplace_mask_building_still_causal():
+    from compile_testing import check
+
+    def fn(q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+        m = torch.full((8, 8), float("-inf"), device=s.device).triu_(1)
+        return F.softmax(s + m, dim=-1) @ v
+
+    cap = check(fn, qkv(), train=False)
+    (call,) = cap.attention_calls()
+    assert call["is_causal"] is True and call["attn_mask"] is None
+
+
+def test_mutated_mask_not_proven_causal():
+    from compile_testing import check
+
+    def fn(q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+        keep = torch.ones(8, 8, dtype=torch.bool, device=s.device).tril()
+        keep[3, 5] = True  # no longer lower triangular
+        return F.softmax(s.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    cap = check(fn, qkv(), train=False)
+    (call,) = cap.attention_calls()
+    assert call["is_causal"] is False and call["attn_mask"] is not None

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from ._ops import is_number, ndim, norm, shape, sym_eq
+from ._ops import is_number, mutated, ndim, norm, shape, sym_eq
 
 # An additive value that removes a position from the softmax (exp underflows to exactly 0).
 NEG_THRESHOLD = -1.0e4
@@ -45,6 +45,7 @@ def _is01(v: Any) -> bool:
 class MaskFacts:
     def __init__(self) -> None:
         self.memo: dict = {}
+        self._allow: Optional[Node] = None
 
     def fact(self, x: Any):
         if isinstance(x, bool) or is_number(x):
@@ -54,6 +55,8 @@ class MaskFacts:
         if x in self.memo:
             return self.memo[x]
         self.memo[x] = None
+        if mutated(x, ignore=self._allow):
+            return None  # its value changes along the graph: no fact holds everywhere
         try:
             r = self._fact(x)
         except Exception:  # a rule met a spelling it does not know: no fact
@@ -150,6 +153,22 @@ class MaskFacts:
         op = norm(node)
         if op is None:
             return None
+        if op.inplace:
+            # x.tril_() & co: the fact of the result follows from x before the mutation (x may be
+            # mutated by this node only; it is then not looked at again)
+            src = op.args.get("self")
+            if not isinstance(src, Node) or mutated(src, ignore=node):
+                return None
+            self.memo.pop(src, None)
+            prev, self._allow = self._allow, node
+            try:
+                return self._fact_inner(node, op)
+            finally:
+                self._allow = prev
+                self.memo.pop(src, None)
+        return self._fact_inner(node, op)
+
+    def _fact_inner(self, node: Node, op):
         n = op.name
         a = op.args
         f = self.fact

@@ -29,7 +29,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ._masks import MaskFacts, causal_bound, is_neg
-from ._ops import Op, is_number, ndim, norm, shape, shapes_eq, sym_eq, val
+from ._ops import Op, is_number, mutators, ndim, norm, shape, shapes_eq, sym_eq, val
 
 log = logging.getLogger("torch_flash_v100.compile")
 
@@ -189,6 +189,7 @@ class AttentionRewriter:
                 self.key = "val"
                 break
         self.erased: set = set()
+        self.pos = {n: i for i, n in enumerate(graph.nodes)}
         self.fused = 0
         self.results: list[tuple[str, bool, str]] = []
 
@@ -434,7 +435,7 @@ class AttentionRewriter:
             flip = False
             for _ in range(16):
                 o = norm(B)
-                if o is None:
+                if o is None or o.inplace:
                     break
                 if o.name in ("mul", "div") and is_number(o.get("other")) and o.get("other") != 0:
                     c = float(o.get("other"))
@@ -670,6 +671,7 @@ class AttentionRewriter:
             k, v, gqa = self._strip_gqa(k, v)
 
         result = self._emit_op(em, q, k, v, mask, dropout_p, implied, scale, gqa)
+        self._check_no_mutation(em, qk.node, pv.node)
         result = self._relayout(result, sb, pb, em)
         if out_perm is not None:
             result = em(torch.permute, (result, out_perm))
@@ -684,6 +686,26 @@ class AttentionRewriter:
         if gqa:
             desc.append("enable_gqa=True")
         return "flashv100.attention(" + ", ".join(desc) + ")"
+
+    def _check_no_mutation(self, em, first: Node, last: Node) -> None:
+        """The fused op runs where p @ v ran: every tensor it reads must hold the same value
+        there as where the unfused subgraph read it."""
+        created = set(em.created)
+        refs = set()
+        for n in em.created:
+            refs.update(a for a in n.all_input_nodes if a not in created)
+        hi = self.pos.get(last, -1)
+        for r in refs:
+            muts = mutators(r)
+            if not muts:
+                continue
+            # where the unfused subgraph first read r: its earliest reader that is no mutator
+            readers = [self.pos[u] for u in r.users if u not in muts and u in self.pos]
+            lo = min(readers, default=self.pos.get(first, -1))
+            for m in muts:
+                p = self.pos.get(m)
+                if p is not None and lo < p < hi:
+                    raise Reject(f"{r.name} is mutated in place ({m.name}) inside the attention")
 
     @staticmethod
     def _relayout(n: Any, frm, to, em) -> Any:
@@ -726,6 +748,8 @@ class AttentionRewriter:
         for _ in range(16):
             o = norm(n)
             if o is None:
+                break
+            if o.inplace:
                 break
             if o.name in ("mul", "div") and is_number(o.get("other")) and o.get("other") != 0:
                 c = float(o.get("other"))

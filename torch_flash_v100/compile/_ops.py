@@ -14,20 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-__all__ = ["Op", "norm", "val", "shape", "ndim", "is_number", "sym_eq"]
+__all__ = ["Op", "norm", "val", "shape", "ndim", "is_number", "sym_eq", "mutated", "mutators"]
 
 
 class Op:
     """A normalised node: ``name`` plus ``args`` bound by parameter name (``args["self"]`` is the
     main tensor input); ``varargs`` holds a trailing ``*sizes``/``*dims`` list where one exists."""
 
-    __slots__ = ("name", "args", "varargs", "node")
+    __slots__ = ("name", "args", "varargs", "node", "inplace")
 
-    def __init__(self, name: str, args: dict, varargs: Optional[list], node: Node):
+    def __init__(self, name: str, args: dict, varargs: Optional[list], node: Node,
+                 inplace: bool = False):
         self.name = name
         self.args = args
         self.varargs = varargs
         self.node = node
+        self.inplace = inplace
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.args.get(key, default)
@@ -217,7 +219,7 @@ def norm(node: Any) -> Optional[Op]:
         return None
     if name == "div" and args.get("rounding_mode") is not None:
         return None
-    return Op(name, args, varargs, node)
+    return Op(name, args, varargs, node, inplace=_is_inplace(node))
 
 
 def _norm_module(node: Node) -> Optional[Op]:
@@ -273,3 +275,47 @@ def sym_eq(a: Any, b: Any) -> bool:
 def shapes_eq(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(
         sym_eq(x, y) for x, y in zip(a, b))
+
+
+_INPLACE_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
+                operator.ior, operator.ixor, operator.setitem)
+_VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "transpose", "permute", "unsqueeze",
+                 "squeeze", "t", "narrow", "select", "unflatten", "flatten", "swapaxes",
+                 "swapdims", "view_as", "unfold", "split", "chunk", "unbind", "diagonal",
+                 "as_strided", "detach", "contiguous", "__getitem__", "mT", "T"}
+_VIEW_FNS = {operator.getitem, torch.transpose, torch.permute, torch.reshape, torch.unsqueeze,
+             torch.squeeze, torch.narrow, torch.select, torch.swapaxes, torch.swapdims,
+             torch.flatten, torch.unflatten, torch.split, torch.chunk, torch.unbind,
+             torch.diagonal, torch.as_strided, torch.detach}
+
+
+def _is_inplace(node: Node) -> bool:
+    if node.op == "call_method":
+        t = node.target
+        return (t.endswith("_") and not t.endswith("__")) or t in (
+            "__iadd__", "__isub__", "__imul__", "__itruediv__", "__iand__", "__ior__",
+            "__setitem__")
+    if node.op == "call_function":
+        return node.target in _INPLACE_FNS
+    return False
+
+
+def mutators(node: Any, depth: int = 0) -> list:
+    """The nodes that mutate the tensor of ``node`` (or a view of it) in place."""
+    out: list = []
+    if not isinstance(node, Node) or depth > 8:
+        return out
+    for u in node.users:
+        if _is_inplace(u) and u.args and u.args[0] is node:
+            out.append(u)
+        is_view = (u.op == "call_method" and u.target in _VIEW_METHODS) or (
+            u.op == "call_function" and u.target in _VIEW_FNS)
+        if is_view and u.args and u.args[0] is node:
+            out.extend(mutators(u, depth + 1))
+    return out
+
+
+def mutated(node: Any, ignore: Optional[Node] = None) -> bool:
+    """Whether the tensor of ``node`` (or a view of it) is mutated in place by some node other
+    than ``ignore``: then its value at one point of the graph is not its value at another."""
+    return any(m is not ignore for m in mutators(node))
