@@ -288,7 +288,8 @@ def collect_metadata(device: torch.device) -> Dict[str, Any]:
     device = torch.device(device)
     md: Dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git("rev-parse", "HEAD"),
+        # FLASHV100_COMMIT names the commit where the checkout has no git metadata (a copied tree).
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("FLASHV100_COMMIT"),
         "git_dirty": None,
         "device": str(device),
         "torch_version": torch.__version__,
