@@ -209,6 +209,12 @@ class AttentionRewriter:
                 log.info("flashv100: NOT rewritten: %s: %s", site, e)
                 _counters()["flashv100"]["not_fused"] += 1
                 continue
+            except Exception as e:  # a bug of ours must not break the user's compile
+                why = f"internal error in the matcher: {type(e).__name__}: {e}"
+                self.results.append((site, False, why))
+                log.warning("flashv100: NOT rewritten: %s: %s", site, why, exc_info=True)
+                _counters()["flashv100"]["not_fused"] += 1
+                continue
             self.fused += 1
             self.results.append((site, True, how))
             _counters()["flashv100"]["fused_attention"] += 1
@@ -381,7 +387,7 @@ class AttentionRewriter:
         em = _Emitter(self.graph, pv.node, self.key)
         try:
             return self._finish_softmax(sm, fwd, pv, pv_kind, qk, steps, dropout_p, em)
-        except Reject:
+        except Exception:
             em.undo()
             raise
 
@@ -878,7 +884,7 @@ class AttentionRewriter:
             new = em(_target_op(), (q, k, v, mask, float(dropout_p), is_causal),
                      {"scale": float(scale), "enable_gqa": gqa})
             self._replace(node, new, [])
-        except Reject:
+        except Exception:
             em.undo()
             raise
         return (f"flashv100.attention(from SDPA, is_causal={is_causal}{causal_note}, "
@@ -932,6 +938,11 @@ def _pure(n: Node) -> bool:
 def rewrite(graph: Graph, force: bool = False) -> AttentionRewriter:
     """Rewrite every attention subgraph of ``graph`` in place; returns the rewriter (results)."""
     rw = AttentionRewriter(graph, force=force)
+    try:
+        _target_op()
+    except Exception as e:  # the extension failed to load: leave the graph alone
+        log.warning("flashv100: the flashv100 ops are unavailable (%s); no rewrite", e)
+        return rw
     rw.run()
     history.extend(rw.results)
     del history[:-10000]
