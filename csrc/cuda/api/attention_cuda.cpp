@@ -83,23 +83,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     const at::Tensor& lse, const at::Tensor& rng_state, double dropout_p, int64_t causal_mode,
     double scale, bool mask_requires_grad, bool deterministic) {
   constexpr const char* op = "flashv100._attention_backward";
-  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, causal_mode);
-  TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
-                  grad_out.stride(-1) == 1,
-              op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim, got ",
-              grad_out.sizes(), " ", grad_out.scalar_type());
-  TORCH_CHECK(out.device() == query.device() && lse.device() == query.device() &&
-                  grad_out.device() == query.device(),
-              op, ": expected grad_out, out and lse on ", query.device());
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef({query.size(0), query.size(1), query.size(2)}), op,
-              ": expected lse [B, Hq, L] as returned by _attention_forward, got ", lse.sizes());
-  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong &&
-                  rng_state.is_contiguous() && rng_state.device() == query.device(),
-              op, ": expected rng_state int64[2] on ", query.device(),
-              " as returned by _attention_forward, got ", rng_state.scalar_type(),
-              rng_state.sizes(), " on ", rng_state.device());
-  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
-              op, ": mask_requires_grad needs an additive (floating) attn_mask");
+  check_backward_inputs(op, grad_out, query, key, value, attn_mask, out, lse, rng_state,
+                        dropout_p, causal_mode, mask_requires_grad);
+  TORCH_CHECK(rng_state.device() == query.device(), op, ": expected rng_state on ",
+              query.device(), " as returned by _attention_forward, got ", rng_state.device());
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key),
              grad_value = at::empty_like(value);

@@ -5,10 +5,6 @@
 
 #include "common/params.h"
 
-#if defined(__CUDACC_RTC__)
-typedef unsigned short uint16_t;  // NVRTC has no <stdint.h>; common/fixed_width_types.h lacks it
-#endif
-
 namespace flashv100 {
 namespace kern {
 
