@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 import torch_flash_v100  # noqa: F401
-from torch_flash_v100.compile import history, rewrite
+from torch_flash_v100.compile import history, rewrite_module
 
 try:
     from functorch.compile import make_boxed_func
@@ -45,9 +45,8 @@ class Capture:
         aot = aot_autograd(fw_compiler=fw, bw_compiler=bw)
 
         def be(gm, example_inputs):
-            rewrite(gm.graph, force=self.force)
-            gm.recompile()
-            self.dynamo.append(gm)
+            rewrite_module(gm, force=self.force)
+            self.dynamo.extend(m for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
             return aot(gm, example_inputs)
 
         return be

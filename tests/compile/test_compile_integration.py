@@ -184,3 +184,14 @@ def test_backend_force_inductor():
     assert counters["flashv100"]["fused_attention"] == 1
     assert any("flashv100._attention_forward" in c for c in codes)
     torch.testing.assert_close(out, attn(q, k, v, keep), atol=2e-5, rtol=1e-4)
+
+
+def test_activation_checkpointed_attention():
+    from torch.utils.checkpoint import checkpoint
+
+    from compile_testing import check
+
+    def fn(q, k, v, keep):
+        return checkpoint(attn, q, k, v, keep, use_reentrant=False) * 2
+
+    check(fn, _inputs(), train=True)

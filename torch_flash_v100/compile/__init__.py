@@ -38,7 +38,8 @@ try:  # torch >= 2.4
 except Exception:  # pragma: no cover
     _PassBase = object
 
-__all__ = ["enable", "disable", "backend", "FlashV100Pass", "rewrite", "AttentionRewriter",
+__all__ = ["enable", "disable", "backend", "FlashV100Pass", "rewrite", "rewrite_module",
+           "AttentionRewriter",
            "is_enabled", "history"]
 
 _SOURCES = ("__init__.py", "_matcher.py", "_masks.py", "_ops.py")
@@ -102,6 +103,18 @@ class FlashV100Pass(_PassBase):
         return f"FlashV100Pass(force={self.force}, previous={self.previous!r})"
 
 
+def rewrite_module(gm: torch.fx.GraphModule, force: bool = False) -> int:
+    """Rewrite ``gm`` and the graphs nested in it (e.g. activation-checkpointed regions)."""
+    fused = 0
+    for m in list(gm.modules()):
+        if isinstance(m, torch.fx.GraphModule):
+            rw = rewrite(m.graph, force=force)
+            if rw.fused:
+                m.recompile()
+            fused += rw.fused
+    return fused
+
+
 def _config():
     import torch._inductor.config as cfg
     return cfg
@@ -151,8 +164,7 @@ def backend(force: bool = False, compiler: Any = "inductor",
     """
 
     def flashv100_backend(gm: torch.fx.GraphModule, example_inputs):
-        rewrite(gm.graph, force=force)
-        gm.recompile()
+        rewrite_module(gm, force=force)
         if compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
             if inductor_options:
