@@ -34,7 +34,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .implementations import FLASH, Impl, load_flashv100, make_impls, naive_attention
+from torch_flash_v100._measure import peak_memory_mb
+from torch_flash_v100.reference import reference_attention
+
+from .implementations import FLASH, Impl, load_flashv100, make_impls
 from .suites import BWD_FLOP_RATIO, Config, flops_fwd
 
 __all__ = ["run_suite", "collect_metadata", "time_fn", "peak_memory_mb", "reference_grads",
@@ -145,92 +148,13 @@ class _GradNone(list):
 # memory
 # ---------------------------------------------------------------------------------------------
 
-def _cpu_peak_from_profiler(prof) -> Optional[int]:
-    try:
-        tree = prof.profiler.kineto_results.experimental_event_tree()
-    except Exception:
-        return None
-    allocs = []
-
-    def walk(n):
-        size = getattr(getattr(n, "extra_fields", None), "alloc_size", None)
-        if n.name == "[memory]" and size is not None:
-            allocs.append((n.start_time_ns, int(size)))
-        for c in n.children:
-            walk(c)
-
-    for r in tree:
-        walk(r)
-    allocs.sort()
-    cur = peak = 0
-    for _, s in allocs:
-        cur += s
-        peak = max(peak, cur)
-    return peak
-
-
-class _mute_fd2:
-    """Silences file descriptor 2 (C++ logging) for a moment; Python exceptions are unaffected."""
-
-    def __enter__(self):
-        try:
-            sys.stderr.flush()
-            self._saved = os.dup(2)
-            self._null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(self._null, 2)
-        except Exception:
-            self._saved = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            os.dup2(self._saved, 2)
-            os.close(self._saved)
-            os.close(self._null)
-        return False
-
-
-def peak_memory_mb(fn: Callable[[], Any], device: torch.device) -> Optional[float]:
-    """Peak memory (MB) that ``fn`` allocates above what is allocated before it."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    try:
-        from torch.profiler import ProfilerActivity, profile
-    except Exception:
-        fn()
-        return None
-    # fd 2 muted: some builds print profiler_start/stop lines and "memory block of unknown size"
-    # warnings from C++; Python exceptions still propagate.
-    with _mute_fd2():
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            fn()
-    peak = _cpu_peak_from_profiler(prof)
-    return None if peak is None else peak / 2**20
-
-
 # ---------------------------------------------------------------------------------------------
 # reference
 # ---------------------------------------------------------------------------------------------
 
-def _reference_fn():
-    try:
-        from torch_flash_v100.reference import reference_attention
-        return reference_attention, "torch_flash_v100.reference.reference_attention (fp64)"
-    except Exception:
-        def ref(q, k, v, is_causal=False, enable_gqa=False):
-            return naive_attention(q, k, v, is_causal)
-        return ref, "benchmarks naive_attention in fp64 (torch_flash_v100.reference unavailable)"
-
-
 def reference_grads(q, k, v, dout, causal: bool, mem_limit_bytes: Optional[int] = None):
     """fp64 out, dq, dk, dv, computed in chunks of (batch, kv-head group) to bound memory."""
-    ref, _ = _reference_fn()
+    ref = reference_attention
     B, H, L, E = q.shape
     Hkv, S = k.size(1), k.size(2)
     g = H // Hkv
@@ -337,7 +261,7 @@ def collect_metadata(device: torch.device) -> Dict[str, Any]:
         except Exception as e:
             info["build_info"] = {"error": f"{type(e).__name__}: {e}"}
         md["torch_flash_v100"] = info
-    md["reference"] = _reference_fn()[1]
+    md["reference"] = "torch_flash_v100.reference.reference_attention (fp64)"
     md["method"] = {
         "time": "CUDA events per repetition (or triton.testing.do_bench), median/p20/p80; CPU: perf_counter",
         "memory": ("torch.cuda.max_memory_allocated delta over one fwd+bwd" if device.type == "cuda" else

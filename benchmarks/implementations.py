@@ -7,13 +7,14 @@ run on the device, the reason why (recorded in the results instead of silently d
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from torch_flash_v100.reference import naive_attention
 
 __all__ = ["Impl", "make_impls", "IMPL_NAMES", "naive_attention", "load_flashv100", "FLASH"]
 
@@ -55,22 +56,6 @@ def _expand_kv(q, k, v):
         k = k.repeat_interleave(rep, dim=-3)
         v = v.repeat_interleave(rep, dim=-3)
     return k, v
-
-
-def naive_attention(q, k, v, causal=False, fp32_softmax=False, scale=None):
-    """matmul -> scale -> (causal mask) -> softmax -> matmul, as models write it eagerly."""
-    k, v = _expand_kv(q, k, v)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    s = (q @ k.transpose(-2, -1)) * scale
-    if causal:
-        L, S = q.size(-2), k.size(-2)
-        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    if fp32_softmax:
-        p = torch.softmax(s.float(), dim=-1).to(q.dtype)
-    else:
-        p = torch.softmax(s, dim=-1)
-    return p @ v
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,10 +255,10 @@ def make_impls(device, names: Optional[List[str]] = None) -> List[Impl]:
     impls: Dict[str, Impl] = {}
     for im in _flash_impls(device) + _sdpa_impls(device):
         impls[im.name] = im
-    impls["naive"] = Impl("naive", lambda q, k, v, c: naive_attention(q, k, v, c),
+    impls["naive"] = Impl("naive", lambda q, k, v, c: naive_attention(q, k, v, is_causal=c),
                           "eager matmul-softmax-matmul in the input dtype (K/V repeated for GQA)")
     impls["naive-fp32softmax"] = Impl(
-        "naive-fp32softmax", lambda q, k, v, c: naive_attention(q, k, v, c, fp32_softmax=True),
+        "naive-fp32softmax", lambda q, k, v, c: naive_attention(q, k, v, is_causal=c, fp32_softmax=True),
         "eager matmul-softmax-matmul with the softmax in fp32")
     if names:
         unknown = [n for n in names if n not in impls]

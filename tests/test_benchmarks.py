@@ -63,7 +63,7 @@ def test_reference_chunks_agree():
     for a, b in zip(whole, chunked):
         torch.testing.assert_close(a, b)
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-    out = naive_attention(qd, kd, vd, causal=True)
+    out = naive_attention(qd, kd, vd, is_causal=True)
     out.backward(do.double())
     for a, b in zip((out, qd.grad, kd.grad, vd.grad), whole):
         torch.testing.assert_close(a.detach(), b)

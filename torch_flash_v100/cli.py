@@ -23,6 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._measure import peak_memory_mb
+from .reference import naive_attention
+
 EPILOG = """\
 examples:
   python -m torch_flash_v100                      # the demo (best device; CPU if no GPU)
@@ -148,74 +151,6 @@ def _time_ms(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.5,
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
-
-
-class _MuteFd2:
-    def __enter__(self):
-        try:
-            sys.stderr.flush()
-            self._saved = os.dup(2)
-            self._null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(self._null, 2)
-        except Exception:
-            self._saved = None
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            os.dup2(self._saved, 2)
-            os.close(self._saved)
-            os.close(self._null)
-        return False
-
-
-def _peak_mb(fn: Callable[[], Any], device: torch.device) -> Optional[float]:
-    """Peak extra memory of ``fn``: CUDA allocator stats, or on CPU the running sum of the
-    allocator's alloc/free events recorded by torch.profiler (None where unavailable)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        with _MuteFd2():  # C++ profiler chatter on some builds; exceptions still propagate
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                fn()
-        tree = prof.profiler.kineto_results.experimental_event_tree()
-    except Exception:
-        return None
-    allocs: List[Tuple[int, int]] = []
-    stack = list(tree)
-    while stack:
-        n = stack.pop()
-        size = getattr(getattr(n, "extra_fields", None), "alloc_size", None)
-        if n.name == "[memory]" and size is not None:
-            allocs.append((n.start_time_ns, int(size)))
-        stack.extend(n.children)
-    allocs.sort()
-    cur = peak = 0
-    for _, s in allocs:
-        cur += s
-        peak = max(peak, cur)
-    return peak / 2**20
-
-
-def naive_attention(q, k, v, attn_mask=None, is_causal=False, fp32_softmax=False):
-    """Eager matmul-softmax-matmul, as models write it (K/V repeated for GQA)."""
-    if q.size(-3) != k.size(-3):
-        r = q.size(-3) // k.size(-3)
-        k, v = k.repeat_interleave(r, -3), v.repeat_interleave(r, -3)
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    if is_causal:
-        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    p = torch.softmax(s.float(), -1).to(q.dtype) if fp32_softmax else torch.softmax(s, -1)
-    return p @ v
 
 
 # ------------------------------------------------------------------------------------------------
@@ -730,7 +665,7 @@ def demo_speed(tfv, device: torch.device, dtype: torch.dtype, budget_s: float) -
     for name, fn in impls:
         try:
             zero()
-            mem = _peak_mb(lambda: fn().backward(do), device)
+            mem = peak_memory_mb(lambda: fn().backward(do), device)
             zero()
             fwd = _time_ms(fn, device, per)
             fb = _time_ms(lambda: fn().backward(do), device, per, setup=zero)

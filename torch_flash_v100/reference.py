@@ -64,3 +64,29 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             raise ValueError("reference_attention: dropout_p > 0 needs dropout_keep")
         probs = probs * dropout_keep / (1.0 - dropout_p)
     return probs @ value
+
+
+def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                    scale: Optional[float] = None, fp32_softmax: bool = False) -> torch.Tensor:
+    """Eager matmul -> scale -> mask -> softmax -> matmul in the inputs' dtype, as models write it
+    (K/V repeated for GQA; ``fp32_softmax`` upcasts the softmax). The baseline of the benchmarks
+    and the demo, not a reference: it materialises the scores and gives NaN for fully masked rows.
+    """
+    if query.size(-3) != key.size(-3):
+        group = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = causal_keep_mask(query.size(-2), key.size(-2), CAUSAL_TOP_LEFT, query.device)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    if fp32_softmax:
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return probs @ value
