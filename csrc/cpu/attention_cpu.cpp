@@ -14,7 +14,19 @@ namespace {
 
 constexpr auto kNegInf = -std::numeric_limits<double>::infinity();
 
-int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+// Calls visit(batch, head, begin, end) for every `block`-sized range of [0, length) of every
+// (batch, head), spread over ATen's thread pool.
+template <typename Visit>
+void parallel_over_blocks(int64_t batch, int64_t heads, int64_t length, int64_t block,
+                          const Visit& visit) {
+  const int64_t blocks = (length + block - 1) / block;
+  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t batch_head = task / blocks, begin = (task % blocks) * block;
+      visit(batch_head / heads, batch_head % heads, begin, std::min(begin + block, length));
+    }
+  });
+}
 
 template <typename Scalar, typename Acc>
 void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_q,
@@ -80,15 +92,10 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
 template <typename Scalar, typename Acc>
 void forward(const ForwardParams& p, Acc* lse) {
   const AttentionShape& sh = p.shape;
-  const int64_t row_blocks = blocks_of(sh.len_q, kBlockQ);
-  at::parallel_for(0, sh.batch * sh.heads_q * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task % row_blocks, batch_head = task / row_blocks;
-      const int64_t row_begin = block * kBlockQ;
-      forward_rows<Scalar, Acc>(p, lse, batch_head / sh.heads_q, batch_head % sh.heads_q,
-                                row_begin, std::min(row_begin + kBlockQ, sh.len_q));
-    }
-  });
+  parallel_over_blocks(sh.batch, sh.heads_q, sh.len_q, kBlockQ,
+                       [&](int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end) {
+                         forward_rows<Scalar, Acc>(p, lse, batch, head_q, row_begin, row_end);
+                       });
 }
 
 // What the backward needs about one tile of query rows, loaded once per tile.
@@ -222,26 +229,16 @@ void backward_query_block(const BackwardParams& p, const Acc* lse, const Acc* de
 template <typename Scalar, typename Acc>
 void backward(const BackwardParams& p, const Acc* lse, const Acc* delta) {
   const AttentionShape& sh = p.fwd.shape;
-  const int64_t col_blocks = blocks_of(sh.len_kv, kBlockKV);
-  at::parallel_for(0, sh.batch * sh.heads_kv * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task % col_blocks, batch_head = task / col_blocks;
-      const int64_t col_begin = block * kBlockKV;
-      backward_key_block<Scalar, Acc>(p, lse, delta, batch_head / sh.heads_kv,
-                                      batch_head % sh.heads_kv, col_begin,
-                                      std::min(col_begin + kBlockKV, sh.len_kv));
-    }
-  });
-  const int64_t row_blocks = blocks_of(sh.len_q, kBlockQ);
-  at::parallel_for(0, sh.batch * sh.heads_q * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task % row_blocks, batch_head = task / row_blocks;
-      const int64_t row_begin = block * kBlockQ;
-      backward_query_block<Scalar, Acc>(p, lse, delta, batch_head / sh.heads_q,
-                                        batch_head % sh.heads_q, row_begin,
-                                        std::min(row_begin + kBlockQ, sh.len_q));
-    }
-  });
+  parallel_over_blocks(sh.batch, sh.heads_kv, sh.len_kv, kBlockKV,
+                       [&](int64_t batch, int64_t head_kv, int64_t col_begin, int64_t col_end) {
+                         backward_key_block<Scalar, Acc>(p, lse, delta, batch, head_kv, col_begin,
+                                                         col_end);
+                       });
+  parallel_over_blocks(sh.batch, sh.heads_q, sh.len_q, kBlockQ,
+                       [&](int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end) {
+                         backward_query_block<Scalar, Acc>(p, lse, delta, batch, head_q,
+                                                           row_begin, row_end);
+                       });
 }
 
 at::Tensor make_rng_state(double dropout_p, uint64_t* seed) {
