@@ -42,7 +42,10 @@ if want sanitize; then
   run_step memcheck $SAN --tool memcheck "$PY" scripts/sanitize_kernels.py
   run_step racecheck $SAN --tool racecheck --racecheck-report hazard "$PY" scripts/sanitize_kernels.py
 fi
-want bench && run_step bench "$PY" scripts/bench_kernels.py --json "$OUT_DIR/bench.json"
+# The fa2 suite of the benchmark harness: native path vs SDPA flash / efficient, fwd and fwd+bwd.
+want bench && run_step bench "$PY" -m torch_flash_v100 bench --suite fa2 --device cuda \
+  --impls flashv100,sdpa-flash,sdpa-efficient --time-budget "${BENCH_BUDGET:-60}" --no-progress \
+  --json "$OUT_DIR/bench.json"
 
 # Summary: step results and GPU test counts; a GPU suite where nothing passed is a failure.
 STEP_RESULTS="$(for k in "${!RESULT[@]}"; do echo "$k=${RESULT[$k]}"; done)"
