@@ -147,3 +147,27 @@ def test_mutated_mask_not_proven_causal():
     cap = check(fn, qkv(), train=False)
     (call,) = cap.attention_calls()
     assert call["is_causal"] is False and call["attn_mask"] is not None
+
+
+def test_weak_mask_scaled_down_is_not_causal():
+    # (scores + m) * 1e-3 with m = -1e4 above the diagonal: eager's masked weights are exp(-10),
+    # not zero, so the mask must not become is_causal
+    from compile_testing import check
+
+    def fn(q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1))
+        m = torch.triu(torch.full((8, 8), -1e4, device=s.device), diagonal=1)
+        return F.softmax((s + m) * 1e-3, dim=-1) @ v
+
+    cap = check(fn, qkv(), train=False)
+    (call,) = cap.attention_calls()
+    assert call["is_causal"] is False and call["attn_mask"] is not None
+
+
+def test_fill_scaled_down_not_rewritten():
+    def fn(q, k, v, keep):
+        s = torch.matmul(q, k.transpose(-2, -1)).masked_fill(~keep, -1e4)
+        return F.softmax(s * 1e-3, dim=-1) @ v
+
+    check_not_rewritten(fn, (*qkv(), torch.rand(8, 8, device=DEVICE) > 0.3),
+                        reason="no longer masks")

@@ -7,7 +7,8 @@ An abstract interpreter over the FX nodes that build a mask.  Each node gets a *
   the end (-1 = key position j, -2 = query position i once broadcast against the scores);
 * ``("L", c, exact, is01)``: truthiness fact, ``true => j - i <= c`` (``exact``: iff);
 * ``("U", c, exact, is01)``: truthiness fact, ``j - i > c => true`` (``exact``: iff);
-* ``("N", c, exact)``: additive fact, ``j - i > c => value <= NEG`` (``exact``: and 0 elsewhere);
+* ``("N", c, exact, bound)``: additive fact, ``j - i > c => value <= bound <= NEG`` (``exact``:
+  and 0 elsewhere).  Other terms added to a mask are assumed not to be hugely positive;
 
 ``is01`` says the tensor only holds 0/1 (bool or a cast of one), which ``1 - x`` and ``x == 0``
 need.  A mask proves causal when its keep region lies inside ``j <= i`` (``c <= 0``).  Only
@@ -233,10 +234,15 @@ class MaskFacts:
                     return ("IDX", p[1], p[2] + q[1])
             fx, fy = self._pos(fx, x, node), self._pos(fy, y, node)
             if fx and fy and fx[0] == "N" and fy[0] == "N":
-                return ("N", min(fx[1], fy[1]), False)
+                return ("N", min(fx[1], fy[1]), False, max(fx[3], fy[3]))
             for p, q in ((fx, fy), (fy, fx)):
                 if p and p[0] == "N":
-                    return ("N", p[1], p[2] and q is not None and q == ("ALL", 0))
+                    bound = p[3]
+                    if q is not None and q[0] == "ALL":
+                        if not is_number(q[1]):
+                            return None
+                        bound = bound + q[1]
+                    return _n(p[1], p[2] and q is not None and q == ("ALL", 0), bound)
             return None
         if n in ("mul", "div"):
             x, y = a.get("self"), a.get("other")
@@ -244,15 +250,15 @@ class MaskFacts:
             if n == "div":
                 if fx and fx[0] == "N" and fy and fy[0] == "ALL" and is_number(fy[1]) \
                         and fy[1] > 0 and not math.isinf(fy[1]):
-                    return self._pos(fx, x, node)
+                    return self._pos(_n(fx[1], fx[2], fx[3] / fy[1]), x, node)
                 return None
             for p, q, src in ((fx, fy, x), (fy, fx, y)):
                 if q is None or q[0] != "ALL":
                     continue
                 if p and p[0] == "N" and is_number(q[1]) and q[1] > 0:
-                    return self._pos(p, src, node)
+                    return self._pos(_n(p[1], p[2], p[3] * q[1]), src, node)
                 if p and p[0] == "U" and p[3] and is_neg(q[1]) and q[1] != -math.inf:
-                    return self._pos(("N", p[1], p[2]), src, node)
+                    return self._pos(("N", p[1], p[2], q[1]), src, node)
                 if q[1] == 1 and not isinstance(q[1], bool):
                     return p
             if fx and fy and fx[0] in ("L", "U", "ALL") and fy[0] in ("L", "U", "ALL"):
@@ -301,7 +307,7 @@ class MaskFacts:
                 return ("L", d, False, False)
             if fs and fs[0] == "ALL":
                 if is_neg(fs[1]):
-                    return ("N", d - 1, True)
+                    return ("N", d - 1, True, fs[1])
                 if _truthy(fs[1]):
                     return ("U", d - 1, True, _is01(fs[1]))
             return None
@@ -327,24 +333,26 @@ class MaskFacts:
         vy = fy[1] if fy and fy[0] == "ALL" else None
         # additive masks
         if is_neg(vy):  # NEG where cond is false
-            cands = []
+            cands, bound = [], vy
             if fc and fc[0] == "L":
                 cands.append(fc[1])
             if fx and fx[0] == "N":
                 cands.append(fx[1])
+                bound = max(bound, fx[3])
             if cands:
                 exact = bool(fc and fc[0] == "L" and fc[2] and vx == 0 and len(cands) == 1)
-                return ("N", min(cands), exact)
+                return ("N", min(cands), exact, bound)
             return None
         if is_neg(vx):  # NEG where cond is true
-            cands = []
+            cands, bound = [], vx
             if fc and fc[0] == "U":
                 cands.append(fc[1])
             if fy and fy[0] == "N":
                 cands.append(fy[1])
+                bound = max(bound, fy[3])
             if cands:
                 exact = bool(fc and fc[0] == "U" and fc[2] and vy == 0 and len(cands) == 1)
-                return ("N", min(cands), exact)
+                return ("N", min(cands), exact, bound)
             return None
         # truthiness
         tx, ty = _truthy(vx), _truthy(vy)
@@ -480,14 +488,22 @@ class MaskFacts:
         return (fs[0], fs[1] + r0 - c0) + tuple(fs[2:])
 
 
-def causal_bound(facts: MaskFacts, node: Any, role: str):
+def _n(c, exact, bound):
+    """An additive fact, if its masked values stay large negative."""
+    return ("N", c, exact, bound) if is_neg(bound) else None
+
+
+def causal_bound(facts: MaskFacts, node: Any, role: str, factor: Optional[float] = 1.0):
     """(implies_causal, exactly_causal) for a mask piece.
 
     role: "additive" (float added to the scores), "keep" (bool, True keeps),
-    "masked" (bool, True removes: masked_fill / where conditions).
+    "masked" (bool, True removes: masked_fill / where conditions).  ``factor``: the positive
+    constant that multiplies an additive piece after it is added (None: unknown).
     """
     f = facts.fact(node)
     kind = {"additive": "N", "keep": "L", "masked": "U"}[role]
     if f is None or f[0] != kind:
+        return False, False
+    if kind == "N" and (factor is None or not is_neg(f[3] * factor)):
         return False, False
     return f[1] <= 0, bool(f[2]) and f[1] == 0

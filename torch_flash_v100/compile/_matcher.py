@@ -568,7 +568,7 @@ class AttentionRewriter:
         scores = shape(qk.node)
         add_mask = None
         keep = None
-        pieces: list[tuple[Any, str]] = []
+        pieces: list[list] = []  # [node, role, factor applied after it (None: unknown), fill]
         scale_nodes: list[tuple[Node, str]] = []
         ops: list[tuple] = []  # deferred mask emission: (kind, *args)
         cur_b = qb
@@ -581,12 +581,16 @@ class AttentionRewriter:
                 if c <= 0 and (pieces or ops):
                     raise Reject("non-positive scale applied after a mask")
                 scale *= c
+                for pc in pieces:
+                    pc[2] = None if pc[2] is None else pc[2] * c
                 if any(o[0] in ("add",) for o in ops):
                     ops.append(("mul_add", c))
             elif kind == "scale_node":
                 if any(o[0] == "fill" for o in ops):
                     raise Reject("tensor scale applied after a masked_fill")
                 scale_nodes.append((st[1], st[2]))
+                for pc in pieces:
+                    pc[2] = None
                 if any(o[0] == "add" for o in ops):
                     ops.append(("node_add", st[1], st[2]))
             elif kind == "add":
@@ -594,7 +598,7 @@ class AttentionRewriter:
                 mv = val(m)
                 if not isinstance(mv, torch.Tensor) or not mv.is_floating_point():
                     raise Reject("additive mask is not a floating tensor")
-                pieces.append((m, "additive"))
+                pieces.append([m, "additive", 1.0, None])
                 ops.append(("add", m, st[2] if len(st) > 2 else 1.0, cur_b))
             else:  # fill / fill_not: (cond, value); fill: cond True -> masked
                 cond, value = st[1], st[2]
@@ -605,17 +609,21 @@ class AttentionRewriter:
                 cv = val(cond)
                 if not isinstance(cv, torch.Tensor) or cv.dtype != torch.bool:
                     raise Reject("fill condition is not a bool tensor")
-                pieces.append((cond, "masked" if kind == "fill" else "keep"))
+                pieces.append([cond, "masked" if kind == "fill" else "keep", 1.0, fv[1]])
                 ops.append(("fill", cond, kind == "fill", cur_b, fv[1]))
 
+        for p, role, factor, fill in pieces:
+            if fill is not None and fill != -math.inf and not (
+                    factor is not None and is_neg(fill * factor)):
+                raise Reject("a masked_fill value is scaled down until it no longer masks")
         implied = False
         exact = False
-        for p, role in pieces:
+        for p, role, factor, fill in pieces:
             ps = shape(p)
             if ps is None or len(ps) < 2 or not (sym_eq(ps[-1], scores[-1]) and
                                                  sym_eq(ps[-2], scores[-2])):
                 continue
-            imp, ex = causal_bound(self.facts, p, role)
+            imp, ex = causal_bound(self.facts, p, role, factor)
             implied = implied or imp
             exact = exact or (ex and len(pieces) == 1)
 
