@@ -163,9 +163,9 @@ def test_baddbmm_and_3d_4d_reshapes(train):
 def test_reshaped_scores_with_fully_masked_rows(train):
     # padded query rows are fully masked: eager gives a uniform average there; the rewrite
     # keeps that (additive fp32 finfo.min mask), so the forward matches everywhere.
-    # (Seen 2026-11-30 on an H200: the CUDA kernel returned the *unnormalised* sum of v for a row
-    # whose mask is finfo.min everywhere, where the CPU kernel and SDPA's math give the mean;
-    # this test fails on CUDA until the kernel handles that row like the CPU kernel.)
+    # (Seen 2026-11-30 on an H200: the CUDA path returned the unnormalised sum of v for a row
+    # whose mask is finfo.min everywhere; commit 7b1ac16 normalises by the row sum. This test is
+    # the check of that on CUDA.)
     q, k, v = qkv()
     keep = torch.ones(2, 8, dtype=torch.bool, device=DEVICE)
     keep[1, -3:] = False
