@@ -182,15 +182,3 @@ def backend(force: bool = False, compiler: Any = "inductor",
 
 def _flashv100_default_backend(gm, example_inputs):
     return backend()(gm, example_inputs)
-
-
-def _register() -> None:
-    try:
-        from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
-        if "flashv100" not in _COMPILER_FNS:
-            register_backend(_flashv100_default_backend, name="flashv100")
-    except Exception as e:  # pragma: no cover
-        log.warning("could not register the 'flashv100' dynamo backend: %s", e)
-
-
-_register()
