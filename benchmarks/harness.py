@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
-import math
 import os
 import platform
 import subprocess
@@ -34,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from torch_flash_v100._measure import peak_memory_mb
+from torch_flash_v100._measure import peak_memory_mb, synchronize, time_fn
 from torch_flash_v100.reference import reference_attention
 
 from .implementations import FLASH, Impl, load_flashv100, make_impls
@@ -50,103 +49,6 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 def default_dtype(device: torch.device) -> str:
     return "fp16" if device.type == "cuda" else "fp32"
 
-
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ---------------------------------------------------------------------------------------------
-# timing
-# ---------------------------------------------------------------------------------------------
-
-def _quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q
-    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _triton_do_bench():
-    try:
-        from triton.testing import do_bench  # type: ignore
-        return do_bench
-    except Exception:
-        return None
-
-
-def time_fn(fn: Callable[[], Any], device: torch.device, budget_s: float, *,
-            setup: Optional[Callable[[], None]] = None, estimate_ms: Optional[float] = None,
-            max_reps: int = 200, timer: str = "auto") -> Dict[str, Any]:
-    """Median / p20 / p80 milliseconds of ``fn`` with as many repetitions as fit ``budget_s``.
-
-    ``setup`` runs before every repetition outside the timed region. ``estimate_ms`` (the time of
-    one earlier call) lets slow functions skip the extra warm-up call.
-    """
-    device = torch.device(device)
-    do_bench = _triton_do_bench() if (device.type == "cuda" and timer in ("auto", "do_bench")) else None
-    if estimate_ms is None or estimate_ms < 50 or estimate_ms < 0.5 * budget_s * 1e3:
-        # warm-up call, which also gives the estimate (skipped only for slow calls on a tight budget)
-        if setup:
-            setup()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        estimate_ms = (time.perf_counter() - t0) * 1e3
-    estimate_ms = max(estimate_ms, 1e-3)
-    reps = int(max(1, min(max_reps, (budget_s * 1e3) // estimate_ms)))
-    if do_bench is not None and (timer == "do_bench" or reps >= 20):
-        try:
-            qs = do_bench(fn, warmup=max(1, int(min(25, 0.2 * budget_s * 1e3))),
-                          rep=max(1, int(0.8 * budget_s * 1e3)), quantiles=[0.5, 0.2, 0.8],
-                          grad_to_none=None if setup is None else _GradNone(setup))
-            med, p20, p80 = (float(x) for x in qs)
-            return {"ms": med, "p20": p20, "p80": p80, "reps": None, "timer": "triton.do_bench"}
-        except Exception:
-            pass  # API differences across Triton versions: fall back to the own loop
-    times: List[float] = []
-    if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            if setup:
-                setup()
-            starts[i].record()
-            fn()
-            ends[i].record()
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        name = "cuda-events"
-    else:
-        for _ in range(reps):
-            if setup:
-                setup()
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        name = "perf_counter"
-    return {"ms": _quantile(times, 0.5), "p20": _quantile(times, 0.2), "p80": _quantile(times, 0.8),
-            "reps": reps, "timer": name}
-
-
-class _GradNone(list):
-    """do_bench's grad_to_none wants tensors; we pass a list whose iteration runs ``setup``."""
-
-    def __init__(self, setup):
-        super().__init__()
-        self._setup = setup
-
-    def __iter__(self):
-        self._setup()
-        return iter(())
-
-
-# ---------------------------------------------------------------------------------------------
-# memory
-# ---------------------------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------------------------
 # reference
@@ -407,7 +309,7 @@ def _warm_device(device: torch.device, dtypes: Sequence[str]):
             (torch.softmax(x @ x.transpose(-2, -1), -1) @ x).sum().backward()
         except Exception:
             pass
-    _sync(device)
+    synchronize(device)
 
 
 def _make_inputs(cfg: Config, device: torch.device, seed: int = 0):

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._measure import peak_memory_mb
+from ._measure import peak_memory_mb, time_fn
 from .reference import naive_attention
 
 EPILOG = """\
@@ -118,39 +118,10 @@ def _load_benchmarks():
                      "(the benchmarks/ folder next to torch_flash_v100/); run from the repository root")
 
 
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.5, max_reps: int = 50,
+def _time_ms(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.5,
              setup: Optional[Callable[[], None]] = None) -> float:
-    """Median ms over repetitions that fit ``budget_s`` after one warm-up call."""
-    if setup:
-        setup()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    est = max(1e-6, time.perf_counter() - t0)
-    reps = int(max(1, min(max_reps, budget_s // est)))
-    times = []
-    for _ in range(reps):
-        if setup:
-            setup()
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    """Median ms over the repetitions that fit ``budget_s``."""
+    return time_fn(fn, device, budget_s, setup=setup, max_reps=50)["ms"]
 
 
 # ------------------------------------------------------------------------------------------------
