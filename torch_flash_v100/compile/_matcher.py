@@ -130,6 +130,16 @@ def _nd_dim(d: Any, nd: int) -> Optional[int]:
     return d + nd if d < 0 else d
 
 
+def _scalar_factor(o: Any) -> Optional[tuple]:
+    """(operand, factor) when node ``o`` multiplies or divides by a non-zero number, else None."""
+    if o.name in ("mul", "div") and is_number(o.get("other")) and o.get("other") != 0:
+        c = float(o.get("other"))
+        return o.get("self"), (c if o.name == "mul" else 1.0 / c)
+    if o.name == "mul" and is_number(o.get("self")):
+        return o.get("other"), float(o.get("self"))
+    return None
+
+
 def _is_last2_transpose(op, nd: int) -> bool:
     if op is None or op.name != "transpose":
         return False
@@ -443,13 +453,10 @@ class AttentionRewriter:
                 o = norm(B)
                 if o is None or o.inplace:
                     break
-                if o.name in ("mul", "div") and is_number(o.get("other")) and o.get("other") != 0:
-                    c = float(o.get("other"))
-                    scale *= c if o.name == "mul" else 1.0 / c
-                    B = o.get("self")
-                elif o.name == "mul" and is_number(o.get("self")):
-                    scale *= float(o.get("self"))
-                    B = o.get("other")
+                scaled = _scalar_factor(o)
+                if scaled is not None:
+                    B, c = scaled
+                    scale *= c
                 elif _is_last2_transpose(o, nd):
                     flip = not flip
                     B = o.get("self")
@@ -765,15 +772,11 @@ class AttentionRewriter:
                 break
             if o.inplace:
                 break
-            if o.name in ("mul", "div") and is_number(o.get("other")) and o.get("other") != 0:
-                c = float(o.get("other"))
-                s *= c if o.name == "mul" else 1.0 / c
-                n = o.get("self")
-            elif o.name == "mul" and is_number(o.get("self")):
-                s *= float(o.get("self"))
-                n = o.get("other")
-            else:
+            scaled = _scalar_factor(o)
+            if scaled is None:
                 break
+            n, c = scaled
+            s *= c
         return n, s
 
     @staticmethod
