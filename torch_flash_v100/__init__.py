@@ -14,7 +14,6 @@ import torch
 from . import _C  # noqa: F401  (loads the extension: registers the flashv100 ops)
 from . import _ops  # noqa: F401  (fake kernels and autograd)
 from .reference import reference_attention
-from .compile import backend, disable, enable  # noqa: F401  (torch.compile integration)
 
 __version__ = "0.1.0"
 
@@ -62,7 +61,19 @@ def kernel_path(device: torch.device | str | None = None) -> str:
     return _C.mma_atom_name(major, minor)
 
 
+_COMPILE_API = ("enable", "disable", "backend")
+
+
+def __getattr__(name: str):
+    # The torch.compile integration imports Dynamo and Inductor (over a second): load it on first use.
+    if name in _COMPILE_API:
+        from . import compile as _compile
+
+        return getattr(_compile, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "attention", "build_info", "force_volta_atom", "set_force_volta_atom", "volta_atom",
-    "kernel_path", "reference_attention", "__version__",
+    "kernel_path", "reference_attention", "__version__", *_COMPILE_API,
 ]
