@@ -43,6 +43,24 @@ def _is01(v: Any) -> bool:
     return isinstance(v, bool) or v in (0, 1)
 
 
+def _neg_fill_fact(fc, triangle: str, f_kept, v_fill, v_kept):
+    """Fact of where() that puts the large negative ``v_fill`` where the other branch is not taken.
+
+    ``triangle`` ("L" or "U") is the condition fact under which the kept branch is selected;
+    where(cond, x, NEG) passes ("L", x's fact, NEG, x's value), where(cond, NEG, y) the mirror.
+    """
+    cands, bound = [], v_fill
+    if fc and fc[0] == triangle:
+        cands.append(fc[1])
+    if f_kept and f_kept[0] == "N":
+        cands.append(f_kept[1])
+        bound = max(bound, f_kept[3])
+    if not cands:
+        return None
+    exact = bool(fc and fc[0] == triangle and fc[2] and v_kept == 0 and len(cands) == 1)
+    return ("N", min(cands), exact, bound)
+
+
 class MaskFacts:
     def __init__(self) -> None:
         self.memo: dict = {}
@@ -333,27 +351,9 @@ class MaskFacts:
         vy = fy[1] if fy and fy[0] == "ALL" else None
         # additive masks
         if is_neg(vy):  # NEG where cond is false
-            cands, bound = [], vy
-            if fc and fc[0] == "L":
-                cands.append(fc[1])
-            if fx and fx[0] == "N":
-                cands.append(fx[1])
-                bound = max(bound, fx[3])
-            if cands:
-                exact = bool(fc and fc[0] == "L" and fc[2] and vx == 0 and len(cands) == 1)
-                return ("N", min(cands), exact, bound)
-            return None
+            return _neg_fill_fact(fc, "L", fx, vy, vx)
         if is_neg(vx):  # NEG where cond is true
-            cands, bound = [], vx
-            if fc and fc[0] == "U":
-                cands.append(fc[1])
-            if fy and fy[0] == "N":
-                cands.append(fy[1])
-                bound = max(bound, fy[3])
-            if cands:
-                exact = bool(fc and fc[0] == "U" and fc[2] and vy == 0 and len(cands) == 1)
-                return ("N", min(cands), exact, bound)
-            return None
+            return _neg_fill_fact(fc, "U", fy, vx, vy)
         # truthiness
         tx, ty = _truthy(vx), _truthy(vy)
         if tx is True and ty is False:
@@ -375,11 +375,10 @@ class MaskFacts:
     def _arange(self, op):
         va = list(op.varargs or [])
         kw = op.args
-        start, end, step = 0, None, 1
-        if len(va) == 1:
-            end = va[0]
-        elif len(va) >= 2:
-            start, end = va[0], va[1]
+        # arange(end), arange(start, end[, step]): the index fact needs start and step only
+        start, step = 0, 1
+        if len(va) >= 2:
+            start = va[0]
             if len(va) >= 3:
                 step = va[2]
         start = kw.get("start", start)
