@@ -5,7 +5,7 @@ script (``python benchmarks/bench_attention.py --suite quick``) or through the C
 (``python -m torch_flash_v100 bench --suite quick``).
 
 Modules:
-  suites           the configuration suites (seed, fa2, gqa, quick, tiny)
+  suites           the configuration suites (seed, fa2, gqa, quick, tiny, masks)
   implementations  the attention implementations compared side by side
   harness          timing, memory, accuracy vs an fp64 reference, the run loop
   report           Markdown tables, JSON and the PNG plot

@@ -16,8 +16,12 @@ Method (also written into every JSON under metadata.method):
     for one forward under ``torch.no_grad`` (inference).
   * accuracy: max abs error of out / dq / dk / dv of every implementation vs an fp64 reference
     (torch_flash_v100.reference.reference_attention, computed on the device in head chunks),
-    for the same inputs and the same output gradient.
-  * TFLOP/s: forward = 4*B*H*L*S*E (causal: half), backward = 2.5x forward.
+    for the same inputs, attn_mask and output gradient. Not applicable with dropout (random
+    outputs): recorded as such, no reference is computed.
+  * TFLOP/s: forward = 4*B*H*L*S*E (causal: half), backward = 2.5x forward; masks and dropout do
+    not change the count (a padding mask does not reduce it).
+  * overhead (suites with mask/dropout variants): time(variant) / time(same shape, plain), per
+    implementation.
 """
 from __future__ import annotations
 
@@ -36,11 +40,11 @@ import torch
 from torch_flash_v100._measure import peak_memory_mb, synchronize, time_fn
 from torch_flash_v100.reference import reference_attention
 
-from .implementations import FLASH, Impl, load_flashv100, make_impls
+from .implementations import FLASH, Impl, Unsupported, load_flashv100, make_impls
 from .suites import BWD_FLOP_RATIO, Config, flops_fwd
 
 __all__ = ["run_suite", "collect_metadata", "time_fn", "peak_memory_mb", "reference_grads",
-           "default_dtype", "DTYPES"]
+           "default_dtype", "DTYPES", "make_attn_mask", "padding_lengths", "overheads"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -54,8 +58,10 @@ def default_dtype(device: torch.device) -> str:
 # reference
 # ---------------------------------------------------------------------------------------------
 
-def reference_grads(q, k, v, dout, causal: bool, mem_limit_bytes: Optional[int] = None):
-    """fp64 out, dq, dk, dv, computed in chunks of (batch, kv-head group) to bound memory."""
+def reference_grads(q, k, v, dout, causal: bool, mem_limit_bytes: Optional[int] = None, *,
+                    attn_mask: Optional[torch.Tensor] = None):
+    """fp64 out, dq, dk, dv, computed in chunks of (batch, kv-head group) to bound memory.
+    ``attn_mask`` broadcasts to [B, H, L, S] (SDPA's meaning: bool keep or additive float)."""
     ref = reference_attention
     B, H, L, E = q.shape
     Hkv, S = k.size(1), k.size(2)
@@ -70,6 +76,8 @@ def reference_grads(q, k, v, dout, causal: bool, mem_limit_bytes: Optional[int] 
     per_kv_head = g * L * S * 8 * 10  # reference_attention keeps ~6 fp64 [L, S] tensors, + backward
     chunk = max(1, min(Hkv, mem_limit_bytes // max(1, per_kv_head)))
     qd, kd, vd, dod = (t.detach().to(torch.float64) for t in (q, k, v, dout))
+    # [B|1, H|1, L|1, S]: the leading dims that broadcast stay 1 and are not sliced
+    mask4 = None if attn_mask is None else attn_mask.reshape((1,) * (4 - attn_mask.dim()) + attn_mask.shape)
     out = torch.empty_like(qd)
     dq = torch.empty_like(qd)
     dk = torch.empty_like(kd)
@@ -81,7 +89,11 @@ def reference_grads(q, k, v, dout, causal: bool, mem_limit_bytes: Optional[int] 
                 qs = qd[b:b + 1, h0 * g:h1 * g].clone().requires_grad_()
                 ks = kd[b:b + 1, h0:h1].clone().requires_grad_()
                 vs = vd[b:b + 1, h0:h1].clone().requires_grad_()
-                o = ref(qs, ks, vs, is_causal=causal, enable_gqa=g > 1)
+                m = None
+                if mask4 is not None:
+                    m = mask4 if mask4.size(0) == 1 else mask4[b:b + 1]
+                    m = m if m.size(1) == 1 else m[:, h0 * g:h1 * g]
+                o = ref(qs, ks, vs, attn_mask=m, is_causal=causal, enable_gqa=g > 1)
                 o.backward(dod[b:b + 1, h0 * g:h1 * g])
                 out[b:b + 1, h0 * g:h1 * g] = o.detach()
                 dq[b:b + 1, h0 * g:h1 * g] = qs.grad
@@ -168,8 +180,10 @@ def collect_metadata(device: torch.device) -> Dict[str, Any]:
         "time": "CUDA events per repetition (or triton.testing.do_bench), median/p20/p80; CPU: perf_counter",
         "memory": ("torch.cuda.max_memory_allocated delta over one fwd+bwd" if device.type == "cuda" else
                    "CPU allocator alloc/free events via torch.profiler(profile_memory=True), running-sum peak"),
-        "flops": "fwd 4*B*H*L*S*E (causal /2); bwd 2.5x fwd",
-        "errors": "max abs error vs fp64 reference, same inputs and output gradient",
+        "flops": "fwd 4*B*H*L*S*E (causal /2); bwd 2.5x fwd; masks and dropout do not change the count",
+        "errors": ("max abs error vs fp64 reference, same inputs, attn_mask and output gradient; "
+                   "not applicable with dropout"),
+        "overhead": "time(variant) / time(same shape without mask and dropout), per implementation",
     }
     return md
 
@@ -216,11 +230,13 @@ class _Progress:
             self.bar.close()
 
 
-def _short_error(e: BaseException) -> str:
+def _one_line(e: BaseException, limit: int = 500) -> str:
     msg = " ".join(str(e).split())
-    if len(msg) > 500:
-        msg = msg[:500] + "..."
-    return f"{type(e).__name__}: {msg}"
+    return msg[:limit] + "..." if len(msg) > limit else msg
+
+
+def _short_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {_one_line(e)}"
 
 
 def _is_sticky_cuda_error(e: BaseException) -> bool:
@@ -238,12 +254,24 @@ def _cleanup(device: torch.device, collect: bool = False):
         torch.cuda.empty_cache()
 
 
-def measure(impl: Impl, cfg: Config, tensors, ref, device: torch.device, budget_s: float,
+def accuracy_not_applicable(cfg: Config) -> Optional[str]:
+    """Why errors vs the reference mean nothing for ``cfg`` (None: they do)."""
+    if cfg.dropout > 0:
+        return f"not applicable: dropout {cfg.dropout:g} makes the outputs random"
+    return None
+
+
+def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device, budget_s: float,
             timer: str = "auto") -> Dict[str, Any]:
-    """All numbers for one implementation on one configuration (raises on failure)."""
-    q, k, v, dout = tensors
+    """All numbers for one implementation on one configuration (raises on failure).
+    ``inputs`` = (q, k, v, dout, attn_mask); ``ref`` = fp64 (out, dq, dk, dv), or None where
+    accuracy_not_applicable(cfg)."""
+    q, k, v, dout, mask = inputs
     flops = flops_fwd(cfg)
     res: Dict[str, Any] = {"status": "ok"}
+
+    def call():
+        return impl.fn(q, k, v, cfg.causal, mask, cfg.dropout)
 
     def zero():
         q.grad = k.grad = v.grad = None
@@ -254,38 +282,44 @@ def measure(impl: Impl, cfg: Config, tensors, ref, device: torch.device, budget_
         holder = {}
 
         def fwd_bwd_keep():
-            o = impl.fn(q, k, v, cfg.causal)
+            o = call()
             o.backward(dout)
             holder["out"] = o.detach()
 
         t0 = time.perf_counter()
         res["mem_mb"] = peak_memory_mb(fwd_bwd_keep, device)
         first_ms = (time.perf_counter() - t0) * 1e3
-        out_ref, dq_ref, dk_ref, dv_ref = ref
-        res["err_out"] = _max_err(holder.pop("out"), out_ref)
-        res["err_dq"] = _max_err(q.grad, dq_ref)
-        res["err_dk"] = _max_err(k.grad, dk_ref)
-        res["err_dv"] = _max_err(v.grad, dv_ref)
+        out = holder.pop("out")
+        if ref is None:  # dropout: nothing to compare with
+            res.update(err_out=None, err_dq=None, err_dk=None, err_dv=None,
+                       accuracy=accuracy_not_applicable(cfg))
+        else:
+            out_ref, dq_ref, dk_ref, dv_ref = ref
+            res["err_out"] = _max_err(out, out_ref)
+            res["err_dq"] = _max_err(q.grad, dq_ref)
+            res["err_dk"] = _max_err(k.grad, dk_ref)
+            res["err_dv"] = _max_err(v.grad, dv_ref)
+        del out
         zero()
 
         def fwd_nograd():
             with torch.no_grad():
-                impl.fn(q, k, v, cfg.causal)
+                call()
 
         res["mem_fwd_mb"] = peak_memory_mb(fwd_nograd, device)
 
         # 2. timings
         b = budget_s / 3.0
         est = first_ms / 3.5
-        tf = time_fn(lambda: impl.fn(q, k, v, cfg.causal), device, b, estimate_ms=est, timer=timer)
-        graph = {"out": impl.fn(q, k, v, cfg.causal)}  # one forward, its graph retained
+        tf = time_fn(call, device, b, estimate_ms=est, timer=timer)
+        graph = {"out": call()}  # one forward, its graph retained
         tb = time_fn(lambda: graph["out"].backward(dout, retain_graph=True), device, b, setup=zero,
                      estimate_ms=est * BWD_FLOP_RATIO, timer=timer)
         graph.clear()
         zero()
 
         def fb():
-            impl.fn(q, k, v, cfg.causal).backward(dout)
+            call().backward(dout)
 
         tfb = time_fn(fb, device, b, setup=zero, estimate_ms=first_ms, timer=timer)
         zero()
@@ -302,17 +336,59 @@ def measure(impl: Impl, cfg: Config, tensors, ref, device: torch.device, budget_
 
 def _warm_device(device: torch.device, dtypes: Sequence[str]):
     """One small matmul fwd+bwd per dtype, so that one-time allocations (cuBLAS workspaces,
-    handles) are not charged to the first implementation's memory and time."""
+    handles) are not charged to the first implementation's memory and time; likewise the first
+    torch.profiler session of the CPU memory measurement (~1 s), which would also inflate the
+    first implementation's time estimate and so cut its repetitions."""
     for name in dtypes:
         try:
             x = torch.randn(2, 64, 64, device=device, dtype=DTYPES[name], requires_grad=True)
             (torch.softmax(x @ x.transpose(-2, -1), -1) @ x).sum().backward()
         except Exception:
             pass
+    peak_memory_mb(lambda: None, device)
     synchronize(device)
 
 
+MASK_SEED = 1234
+PAD_MAX_FRACTION = 0.25  # padding masks hide up to this fraction of the keys
+FULL_MASK_KEEP = 0.5  # "full" masks keep each key with this probability
+
+
+def padding_lengths(B: int, S: int, seed: int = MASK_SEED) -> torch.Tensor:
+    """Padded (hidden) keys per batch element, int64 [B], in [0, PAD_MAX_FRACTION * S).
+
+    Stratified, one random draw inside each of B equal slices of that range: even a small batch
+    covers it (mean ~12.5% of S) rather than landing wherever a few random draws fall."""
+    g = torch.Generator().manual_seed(seed)  # on the CPU: the same pads on every device
+    u = torch.rand(B, generator=g, dtype=torch.float64)
+    return ((torch.arange(B, dtype=torch.float64) + u) / B * (PAD_MAX_FRACTION * S)).long()
+
+
+def make_attn_mask(cfg: Config, device, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """The attn_mask of ``cfg.mask`` (see suites.MASKS), the one every implementation and the
+    reference get. ``dtype`` (of an additive mask) defaults to the config's input dtype."""
+    device = torch.device(device)
+    B, H, L, S = cfg.B, cfg.H, cfg.L, cfg.S
+    if cfg.mask == "none":
+        return None
+    if cfg.mask in ("padding", "padding-additive"):
+        keep_len = S - padding_lengths(B, S)
+        keep = (torch.arange(S) < keep_len[:, None]).view(B, 1, 1, S).to(device)
+        if cfg.mask == "padding":
+            return keep
+        dtype = dtype or DTYPES[cfg.dtype or default_dtype(device)]
+        return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    if cfg.mask == "full":
+        g = torch.Generator(device=device).manual_seed(MASK_SEED)  # on the device: fast for big masks
+        keep = torch.rand(B, H, L, S, generator=g, device=device) < FULL_MASK_KEEP
+        # a row without any key has no softmax (backends differ: zeros or NaN): keep one at random
+        keep.scatter_(-1, torch.randint(S, (B, H, L, 1), generator=g, device=device), True)
+        return keep
+    raise ValueError(f"unknown mask {cfg.mask!r}")
+
+
 def _make_inputs(cfg: Config, device: torch.device, seed: int = 0):
+    """(q, k, v, dout, attn_mask) for ``cfg`` (attn_mask None without a mask)."""
     dt = DTYPES[cfg.dtype]
     g = torch.Generator(device=device).manual_seed(seed)  # on the device: fast for big inputs
 
@@ -323,7 +399,7 @@ def _make_inputs(cfg: Config, device: torch.device, seed: int = 0):
     k = rnd(cfg.B, cfg.Hkv, cfg.S, cfg.E).requires_grad_()
     v = rnd(cfg.B, cfg.Hkv, cfg.S, cfg.E).requires_grad_()
     dout = rnd(cfg.B, cfg.H, cfg.L, cfg.E)
-    return q, k, v, dout
+    return q, k, v, dout, make_attn_mask(cfg, device, dt)
 
 
 def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[List[str]] = None,
@@ -357,6 +433,16 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
     doc["metadata"]["time_budget_s"] = time_budget_s
     doc["metadata"]["timer"] = timer
     runnable = [im for im in impls if im.available]
+    # "overhead" (variant vs plain times) only in documents of suites with mask/dropout variants
+    has_variants = any(c.variant() for c in configs)
+
+    def publish(entry: Dict[str, Any]):
+        """A configuration is done: into the document, overhead rows current, incremental save."""
+        doc["results"].append(entry)
+        if has_variants:
+            doc["overhead"] = overheads(configs, doc["results"], [im.name for im in runnable])
+        if on_config_done:
+            on_config_done(doc)
     _warm_device(device, sorted({c.dtype for c in configs}))
     n_items = len(configs) * len(runnable)
     done = 0
@@ -369,14 +455,19 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
             for im in impls:
                 if not im.available:
                     entry["impls"][im.name] = {"status": "skipped", "reason": im.skip_reason}
-            tensors = ref = None
+            inputs = ref = None
             try:
                 if sticky:
                     raise RuntimeError(sticky)
-                tensors = _make_inputs(cfg, device)
-                t0 = time.perf_counter()
-                ref = reference_grads(*tensors, cfg.causal)
-                entry["reference_s"] = round(time.perf_counter() - t0, 3)
+                inputs = _make_inputs(cfg, device)
+                no_accuracy = accuracy_not_applicable(cfg)
+                if no_accuracy:
+                    entry["reference"] = no_accuracy
+                else:
+                    t0 = time.perf_counter()
+                    q, k, v, dout, mask = inputs
+                    ref = reference_grads(q, k, v, dout, cfg.causal, attn_mask=mask)
+                    entry["reference_s"] = round(time.perf_counter() - t0, 3)
             except Exception as e:
                 err = _short_error(e)
                 if device.type == "cuda" and _is_sticky_cuda_error(e) and not sticky:
@@ -386,11 +477,9 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
                     entry["impls"][im.name] = {"status": "error", "error": entry["error"]}
                     done += 1
                     bar.step(f"{cfg.key()} {im.name}")
-                tensors = ref = None
+                inputs = ref = None
                 _cleanup(device, collect=True)
-                doc["results"].append(entry)
-                if on_config_done:
-                    on_config_done(doc)
+                publish(entry)
                 continue
             for im in runnable:
                 elapsed = time.perf_counter() - t_start
@@ -409,44 +498,76 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
                         budget = max(0.03, min(3.0, 0.5 * (time_budget_s - elapsed) / max(1, left)))
                     failed = False
                     try:
-                        r = measure(im, cfg, tensors, ref, device, budget, timer=timer)
+                        r = measure(im, cfg, inputs, ref, device, budget, timer=timer)
+                    except Unsupported as e:
+                        failed = True
+                        r = {"status": "unsupported", "reason": _one_line(e)}
                     except Exception as e:
                         failed = True
                         r = {"status": "error", "error": _short_error(e)}
                         if device.type == "cuda" and _is_sticky_cuda_error(e):
                             sticky = f"CUDA context unusable after an earlier error ({im.name}): {r['error']}"
-                    tensors[0].grad = tensors[1].grad = tensors[2].grad = None
+                    inputs[0].grad = inputs[1].grad = inputs[2].grad = None
                     if failed:
                         _cleanup(device, collect=True)
                 entry["impls"][im.name] = r
                 done += 1
                 bar.step(f"{cfg.key()} {im.name}")
             entry["speedup"] = _speedups(entry["impls"])
-            del tensors, ref
+            del inputs, ref
             _cleanup(device)
-            doc["results"].append(entry)
-            if on_config_done:
-                on_config_done(doc)
+            publish(entry)
     finally:
         bar.close()
         doc["metadata"]["elapsed_s"] = round(time.perf_counter() - t_start, 2)
     return doc
 
 
+PHASES = ("fwd", "bwd", "fwdbwd")
+
+
+def _time_ratios(r: Dict[str, Any], base: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """time(r) / time(base) per phase (None where a time is missing)."""
+    out = {}
+    for ph in PHASES:
+        a, b = r.get(f"{ph}_ms"), base.get(f"{ph}_ms")
+        out[ph] = (a / b) if (a and b) else None
+    return out
+
+
 def _speedups(results: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[float]]]:
     """speedup[X][phase] = time(X) / time(flashv100): > 1 means flashv100 is faster."""
     fl = results.get(FLASH, {})
-    out: Dict[str, Dict[str, Optional[float]]] = {}
     if fl.get("status") != "ok":
-        return out
-    for name, r in results.items():
-        if name == FLASH or r.get("status") != "ok":
+        return {}
+    return {name: _time_ratios(r, fl) for name, r in results.items()
+            if name != FLASH and r.get("status") == "ok"}
+
+
+def overheads(configs: Sequence[Config], results: Sequence[Dict[str, Any]],
+              impl_names: Sequence[str]) -> List[Dict[str, Any]]:
+    """One row per (mask/dropout variant, implementation) whose plain configuration (same shape,
+    no mask, no dropout) has results too: ``fwd``/``bwd``/``fwdbwd`` = time(variant) / time(plain)
+    (> 1: the variant costs time), and ``speedup`` = the variant's time(impl) / time(flashv100).
+    Where either run is not ok, ``status`` says which and the ratios are absent."""
+    by_key = {e["key"]: e for e in results}
+    rows: List[Dict[str, Any]] = []
+    for cfg in configs:
+        ent, plain = by_key.get(cfg.key()), by_key.get(cfg.plain().key())
+        if not cfg.variant() or ent is None or plain is None:
             continue
-        out[name] = {}
-        for ph in ("fwd", "bwd", "fwdbwd"):
-            a, b = r.get(f"{ph}_ms"), fl.get(f"{ph}_ms")
-            out[name][ph] = (a / b) if (a and b) else None
-    return out
+        for name in impl_names:
+            r, p = ent["impls"].get(name, {}), plain["impls"].get(name, {})
+            row: Dict[str, Any] = {"shape": plain["key"], "variant": cfg.variant(), "impl": name}
+            if r.get("status") == "ok" and p.get("status") == "ok":
+                row.update(_time_ratios(r, p))
+                if name in ent.get("speedup", {}):
+                    row["speedup"] = ent["speedup"][name]
+            else:
+                row["status"] = (r.get("status", "-") if r.get("status") != "ok"
+                                 else f"plain: {p.get('status', '-')}")
+            rows.append(row)
+    return rows
 
 
 def dtype_name(dt: torch.dtype) -> str:

@@ -1,12 +1,18 @@
 """The attention implementations compared side by side.
 
-Every implementation takes (q [B,H,L,E], k [B,Hkv,S,E], v [B,Hkv,S,E], causal) and returns
-out [B,H,L,E], differentiable. ``make_impls(device)`` returns them with, for those that cannot
-run on the device, the reason why (recorded in the results instead of silently dropped).
+Every implementation takes (q [B,H,L,E], k [B,Hkv,S,E], v [B,Hkv,S,E], causal, attn_mask=None,
+dropout_p=0.0) with SDPA's meaning of attn_mask (bool keep-mask or additive float, broadcast to
+[B,H,L,S]) and returns out [B,H,L,E], differentiable. ``make_impls(device)`` returns them with,
+for those that cannot run on the device, the reason why (recorded in the results instead of
+silently dropped). One that refuses particular inputs (an SDPA backend without dropout, say)
+raises ``Unsupported``, recorded per configuration as "unsupported" with the reason.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, List, Optional
@@ -14,9 +20,9 @@ from typing import Callable, ContextManager, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from torch_flash_v100.reference import naive_attention
+from torch_flash_v100.reference import CAUSAL_TOP_LEFT, causal_keep_mask
 
-__all__ = ["Impl", "make_impls", "IMPL_NAMES", "naive_attention", "load_flashv100", "FLASH"]
+__all__ = ["Impl", "make_impls", "IMPL_NAMES", "naive_attention", "load_flashv100", "FLASH", "Unsupported"]
 
 FLASH = "flashv100"
 IMPL_NAMES = [
@@ -29,6 +35,10 @@ IMPL_NAMES = [
     "naive",
     "naive-fp32softmax",
 ]
+
+
+class Unsupported(RuntimeError):
+    """The implementation refuses these inputs (e.g. SDPA flash and dropout): not a failure."""
 
 
 @dataclass
@@ -58,6 +68,26 @@ def _expand_kv(q, k, v):
     return k, v
 
 
+def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                    is_causal: bool = False, fp32_softmax: bool = False) -> torch.Tensor:
+    """Eager matmul -> scale -> mask -> softmax -> dropout -> matmul in the inputs' dtype, as models
+    write it (K/V repeated for GQA; ``fp32_softmax`` upcasts the softmax). The benchmark baseline:
+    torch_flash_v100.reference.naive_attention with the dropout that one lacks."""
+    key, value = _expand_kv(query, key, value)
+    scores = (query @ key.transpose(-2, -1)) * (1.0 / math.sqrt(query.size(-1)))
+    if is_causal:
+        keep = causal_keep_mask(query.size(-2), key.size(-2), CAUSAL_TOP_LEFT, query.device)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    probs = torch.softmax(scores.float() if fp32_softmax else scores, dim=-1).to(query.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ value
+
+
 # --------------------------------------------------------------------------------------------
 # flashv100
 # --------------------------------------------------------------------------------------------
@@ -83,8 +113,9 @@ def _kernel_path(tfv, device) -> Optional[str]:
 def _flash_impls(device: torch.device) -> List[Impl]:
     tfv, reason = load_flashv100()
 
-    def fv(q, k, v, causal):
-        return tfv.attention(q, k, v, is_causal=causal, enable_gqa=_gqa(q, k))
+    def fv(q, k, v, causal, attn_mask=None, dropout_p=0.0):
+        return tfv.attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
+                             enable_gqa=_gqa(q, k))
 
     out = []
     if tfv is None:
@@ -169,10 +200,17 @@ class _RecordWarnings:
     def text(self) -> str:
         seen = []
         for w in self.records:
-            m = " ".join(str(w.message).split())
+            m = " ".join(_TRIGGERED.sub("", str(w.message)).split())
             if m not in seen:
                 seen.append(m)
-        return " | ".join(seen)
+        # "X not used because:" is followed by its reasons: no separator after the colon
+        return " | ".join(seen).replace(": | ", ": ")
+
+
+# the C++ source location PyTorch appends to its warnings: noise in a reason
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)")
+# what SDPA raises when the chosen backend refuses the inputs (the warnings say why)
+_SDPA_REFUSED = ("No available kernel", "No viable backend")
 
 
 def _sdpa_impls(device: torch.device) -> List[Impl]:
@@ -196,31 +234,36 @@ def _sdpa_impls(device: torch.device) -> List[Impl]:
 
             state = {"native_gqa": native_gqa}
 
-            def call(q, k, v, causal):
-                if _gqa(q, k):
-                    if state["native_gqa"]:
-                        try:
-                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-                        except RuntimeError:
-                            # this backend has no native GQA: from now on expand K/V (counted in the time)
-                            state["native_gqa"] = False
-                    k2, v2 = _expand_kv(q, k, v)
-                    return F.scaled_dot_product_attention(q, k2, v2, is_causal=causal)
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            def call(q, k, v, causal, attn_mask, dropout_p):
+                sdpa = functools.partial(F.scaled_dot_product_attention, attn_mask=attn_mask,
+                                         dropout_p=dropout_p, is_causal=causal)
+                if _gqa(q, k) and state["native_gqa"]:
+                    try:
+                        return sdpa(q, k, v, enable_gqa=True)
+                    except RuntimeError:
+                        k2, v2 = _expand_kv(q, k, v)
+                        out = sdpa(q, k2, v2)  # raises when refused for another reason (mask, dropout)
+                        # this backend has no native GQA: from now on expand K/V (counted in the time)
+                        state["native_gqa"] = False
+                        return out
+                k, v = _expand_kv(q, k, v)
+                return sdpa(q, k, v)
 
-            def fn(q, k, v, causal):
+            def fn(q, k, v, causal, attn_mask=None, dropout_p=0.0):
                 try:
-                    return call(q, k, v, causal)
+                    return call(q, k, v, causal, attn_mask, dropout_p)
                 except RuntimeError as e:
                     # once more, recording SDPA's "... not used because ..." warnings for the reason
                     # (no warnings machinery on the timed path)
                     with _RecordWarnings() as rec:
                         try:
-                            call(q, k, v, causal)
+                            call(q, k, v, causal, attn_mask, dropout_p)
                         except Exception:
                             pass
                     why = rec.text()
-                    raise RuntimeError(str(e).splitlines()[0] + (f" [{why}]" if why else "")) from None
+                    msg = str(e).splitlines()[0] + (f" [{why}]" if why else "")
+                    refused = any(m in str(e) for m in _SDPA_REFUSED)
+                    raise (Unsupported if refused else RuntimeError)(msg) from None
 
             return ctx, fn
 
@@ -250,16 +293,23 @@ def _probe_sdpa(ctx, fn, device: torch.device) -> Optional[str]:
 
 # --------------------------------------------------------------------------------------------
 
+def _naive_fn(fp32_softmax: bool):
+    def fn(q, k, v, causal, attn_mask=None, dropout_p=0.0):
+        return naive_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
+                               fp32_softmax=fp32_softmax)
+    return fn
+
+
 def make_impls(device, names: Optional[List[str]] = None) -> List[Impl]:
     device = torch.device(device)
     impls: Dict[str, Impl] = {}
     for im in _flash_impls(device) + _sdpa_impls(device):
         impls[im.name] = im
-    impls["naive"] = Impl("naive", lambda q, k, v, c: naive_attention(q, k, v, is_causal=c),
-                          "eager matmul-softmax-matmul in the input dtype (K/V repeated for GQA)")
-    impls["naive-fp32softmax"] = Impl(
-        "naive-fp32softmax", lambda q, k, v, c: naive_attention(q, k, v, is_causal=c, fp32_softmax=True),
-        "eager matmul-softmax-matmul with the softmax in fp32")
+    impls["naive"] = Impl("naive", _naive_fn(fp32_softmax=False),
+                          "eager matmul-softmax-matmul in the input dtype (K/V repeated for GQA; mask by "
+                          "masked_fill or addition, F.dropout on the probabilities)")
+    impls["naive-fp32softmax"] = Impl("naive-fp32softmax", _naive_fn(fp32_softmax=True),
+                                      "eager matmul-softmax-matmul with the softmax in fp32")
     if names:
         unknown = [n for n in names if n not in impls]
         if unknown:

@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional
 
 from .implementations import FLASH
 
-__all__ = ["markdown", "summary_markdown", "detail_markdown", "write_json", "write_plot", "header_markdown"]
+__all__ = ["markdown", "summary_markdown", "detail_markdown", "overhead_markdown", "write_json", "write_plot",
+           "header_markdown"]
 
 
 def _f(x, nd=2) -> str:
@@ -52,7 +53,7 @@ def header_markdown(doc: Dict[str, Any]) -> str:
         lines.append(f"- kernel paths: {'; '.join(paths)}")
     lines.append("- times in ms (median); TF/s with causal counted as half; mem = peak extra MB of one "
                  "fwd+bwd; speedup = time(impl) / time(flashv100), > 1 means flashv100 is faster; "
-                 "errors = max abs vs fp64 reference")
+                 "errors = max abs vs fp64 reference (n/a with dropout: random outputs)")
     return "\n".join(lines)
 
 
@@ -89,8 +90,10 @@ def detail_markdown(doc: Dict[str, Any]) -> str:
                 sp = ent.get("speedup", {}).get(name, {}).get("fwdbwd")
                 cells = [_f(r.get("fwd_ms"), 3), _f(r.get("bwd_ms"), 3), _f(r.get("fwdbwd_ms"), 3),
                          _f(r.get("tflops_fwd")), _f(r.get("tflops_fwdbwd")), _f(r.get("mem_mb"), 1),
-                         _f(r.get("mem_fwd_mb"), 1), "ref" if name == FLASH else (f"{sp:.2f}x" if sp else "-"),
-                         _e(r.get("err_out")), _e(r.get("err_dq")), _e(r.get("err_dk")), _e(r.get("err_dv"))]
+                         _f(r.get("mem_fwd_mb"), 1), "ref" if name == FLASH else (f"{sp:.2f}x" if sp else "-")]
+                # "accuracy" holds why errors are not applicable (dropout): n/a, not a failure
+                cells += [("n/a" if r.get("accuracy") else _e(r.get(e)))
+                          for e in ("err_out", "err_dq", "err_dk", "err_dv")]
             elif r.get("status") == "skipped" and r.get("reason") and any(
                     i["name"] == name and not i.get("available") for i in doc.get("implementations", [])):
                 continue  # unavailable on this device: listed once below the table
@@ -109,9 +112,44 @@ def detail_markdown(doc: Dict[str, Any]) -> str:
     return out
 
 
+def _x(ratio: Optional[float]) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def overhead_markdown(doc: Dict[str, Any]) -> str:
+    """The cost of each mask/dropout variant: time(variant) / time(same shape, plain) per
+    implementation, and flashv100's speedup over the implementation in that same variant.
+    Empty for documents without variants."""
+    rows_in = doc.get("overhead") or []
+    if not rows_in:
+        return ""
+    head = ["shape", "variant", "impl", "fwd", "fwd+bwd", "f+b vs flashv100"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 3) + "|"]
+    worst: "OrderedDict[str, float]" = OrderedDict()  # flashv100's largest f+b overhead per variant
+    for r in rows_in:
+        if "status" in r:
+            cells = [r["status"]] * 2 + ["-"]
+        else:
+            vs = "ref" if r["impl"] == FLASH else _x((r.get("speedup") or {}).get("fwdbwd"))
+            cells = [_x(r.get("fwd")), _x(r.get("fwdbwd")), vs]
+            if r["impl"] == FLASH and r.get("fwdbwd") is not None:
+                worst[r["variant"]] = max(worst.get(r["variant"], 0.0), r["fwdbwd"])
+        rows.append("| " + " | ".join([r["shape"], r["variant"], r["impl"]] + cells) + " |")
+    out = "\n".join(rows)
+    if worst:
+        out += ("\n\nflashv100, largest fwd+bwd overhead over the shapes: "
+                + "; ".join(f"{v} {_x(x)}" for v, x in worst.items()))
+    return out
+
+
 def markdown(doc: Dict[str, Any]) -> str:
-    return "\n\n".join([header_markdown(doc), "#### Summary (fwd+bwd speedup of flashv100)",
-                        summary_markdown(doc), "#### All implementations", detail_markdown(doc)]) + "\n"
+    parts = [header_markdown(doc), "#### Summary (fwd+bwd speedup of flashv100)", summary_markdown(doc)]
+    overhead = overhead_markdown(doc)
+    if overhead:
+        parts += ["#### Overhead of masks and dropout (time(variant) / time(plain), same implementation; "
+                  "f+b vs flashv100 = time(impl) / time(flashv100) in the same variant)", overhead]
+    parts += ["#### All implementations", detail_markdown(doc)]
+    return "\n\n".join(parts) + "\n"
 
 
 def _clean(x):

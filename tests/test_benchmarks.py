@@ -1,7 +1,10 @@
-"""The benchmark harness on CPU with the tiny suite: JSON structure, tables, plot. No timing checks."""
+"""The benchmark harness on CPU with the tiny and masks suites: JSON structure, tables, plot,
+masks and dropout. No timing checks."""
+import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.harness import reference_grads, run_suite, time_fn  # noqa: E402
-from benchmarks.implementations import IMPL_NAMES, Impl, make_impls, naive_attention  # noqa: E402
+from benchmarks.harness import (make_attn_mask, padding_lengths, reference_grads, run_suite,  # noqa: E402
+                                time_fn)
+from benchmarks.implementations import IMPL_NAMES, Impl, Unsupported, make_impls, naive_attention  # noqa: E402
 from benchmarks.suites import SUITES, Config, flops_fwd, get_suite  # noqa: E402
+from torch_flash_v100.reference import reference_attention  # noqa: E402
 
 IMPL_FIELDS = {"fwd_ms", "bwd_ms", "fwdbwd_ms", "tflops_fwd", "tflops_bwd", "tflops_fwdbwd", "mem_mb",
                "mem_fwd_mb", "err_out", "err_dq", "err_dk", "err_dv", "fwd_ms_p20", "fwd_ms_p80", "timer"}
@@ -124,7 +129,7 @@ def test_plot_written(tiny_doc, tmp_path):
 
 
 def test_failing_impl_is_recorded_and_run_continues():
-    def boom(q, k, v, causal):
+    def boom(q, k, v, causal, attn_mask=None, dropout_p=0.0):
         raise RuntimeError("kaboom")
 
     impls = make_impls("cpu", ["flashv100", "naive"])
@@ -171,3 +176,204 @@ def test_e2e_smoke(tmp_path):
     doc = json.loads(js.read_text())
     assert doc["runs"][0]["mode"] == "eager" and len(doc["runs"][0]["losses"]) == 2
     assert "losses match: yes" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# masks and dropout
+# --------------------------------------------------------------------------------------------
+
+MASK_IMPLS = ["flashv100", "sdpa-math", "naive"]
+# PyTorch's "... not used because" warnings of the refusals these tests provoke on purpose
+SDPA_REFUSAL_WARNINGS = pytest.mark.filterwarnings("ignore:.*not used because:UserWarning",
+                                                   "ignore:.*do not support:UserWarning")
+VARIANTS = ["mask=padding", "dropout=0.1", "mask=padding dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def masks_doc():
+    # a small budget that still measures everything (the first item alone pays ~1 s of profiler start-up)
+    return run_suite(get_suite("masks", "cpu"), "cpu", impl_names=MASK_IMPLS, time_budget_s=5.0,
+                     progress=False, suite="masks")
+
+
+def test_padding_lengths_spread_and_deterministic():
+    pads = padding_lengths(16, 1024)
+    assert pads.dtype == torch.int64 and pads.shape == (16,)
+    assert int(pads.min()) >= 0 and int(pads.max()) < 256  # at most 25% of S hidden
+    assert int(pads.min()) < 1024 // 64 and int(pads.max()) >= 240  # covers the whole 0..25% range
+    assert len(set(pads.tolist())) == 16
+    assert torch.equal(pads, padding_lengths(16, 1024))
+
+
+def test_mask_builder_shapes_and_values():
+    base = Config(3, 4, 2, 24, 40, 8, False, dtype="fp16")
+    assert make_attn_mask(base, "cpu") is None
+    keep = make_attn_mask(replace(base, mask="padding"), "cpu")
+    assert keep.dtype == torch.bool and keep.shape == (3, 1, 1, 40)
+    pads = padding_lengths(3, 40)
+    for b in range(3):
+        n = 40 - int(pads[b])
+        assert keep[b, 0, 0, :n].all() and not keep[b, 0, 0, n:].any()  # the first S - pad_b keys
+    add = make_attn_mask(replace(base, mask="padding-additive"), "cpu")
+    assert add.dtype == torch.float16 and add.shape == (3, 1, 1, 40)
+    assert (add[keep] == 0).all() and torch.isneginf(add[~keep]).all()
+    full = make_attn_mask(replace(base, mask="full"), "cpu")
+    assert full.dtype == torch.bool and full.shape == (3, 4, 24, 40)
+    assert full.any(-1).all() and 0.3 < full.float().mean() < 0.7
+    assert torch.equal(full, make_attn_mask(replace(base, mask="full"), "cpu"))
+    with pytest.raises(ValueError):
+        Config(1, 1, 1, 8, 8, 8, False, mask="paddding")
+    with pytest.raises(ValueError):
+        Config(1, 1, 1, 8, 8, 8, False, dropout=1.0)
+
+
+def test_variant_keys_and_json():
+    plain = Config(1, 2, 2, 32, 32, 16, False, group="tiny")
+    assert plain.key() == "B1 H2 L32 E16" and plain.variant() == ""
+    assert "mask" not in plain.to_dict() and "dropout" not in plain.to_dict()  # old JSON unchanged
+    v = replace(plain, mask="padding", dropout=0.1)
+    assert v.key() == "B1 H2 L32 E16 mask=padding dropout=0.1"
+    assert replace(plain, dropout=0.1).key() == "B1 H2 L32 E16 dropout=0.1"
+    assert v.to_dict()["mask"] == "padding" and v.to_dict()["dropout"] == 0.1
+    assert v.plain() == plain
+    for name in ("seed", "fa2", "gqa", "quick", "tiny"):
+        assert not any(c.variant() for c in get_suite(name, "cuda"))
+
+
+def test_masks_suite_shapes():
+    cfgs = get_suite("masks", "cuda")
+    assert len(cfgs) == 16 and not any(c.causal for c in cfgs)
+    assert all(c.B * c.L == 16384 and c.H * c.E == 2048 for c in cfgs)
+    assert {(c.L, c.E) for c in cfgs} == {(n, e) for n in (1024, 4096) for e in (64, 128)}
+    for cfgs_ in (cfgs, get_suite("masks", "cpu")):
+        by_shape = {}
+        for c in cfgs_:
+            by_shape.setdefault(c.plain().key(), []).append(c.variant())
+        assert all(sorted(v) == sorted([""] + VARIANTS) for v in by_shape.values())
+    assert all(c.L <= 256 for c in get_suite("masks", "cpu"))
+
+
+def test_cli_accepts_masks_suite():
+    from benchmarks.bench_attention import add_arguments
+    from torch_flash_v100 import cli
+
+    assert add_arguments(argparse.ArgumentParser()).parse_args(["--suite", "masks"]).suite == "masks"
+    args = cli.build_parser().parse_args(["bench", "--suite", "masks", "--impls", "flashv100,naive"])
+    assert args.suite == "masks"
+
+
+def test_reference_applies_masks_in_chunks():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 9, 8, generator=g)
+    k, v = torch.randn(2, 2, 11, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g)
+    do = torch.randn(2, 4, 9, 8, generator=g)
+    for kind in ("padding", "padding-additive", "full"):
+        mask = make_attn_mask(Config(2, 4, 2, 9, 11, 8, False, dtype="fp32", mask=kind), "cpu")
+        whole = reference_grads(q, k, v, do, False, mem_limit_bytes=1 << 40, attn_mask=mask)
+        chunked = reference_grads(q, k, v, do, False, mem_limit_bytes=1, attn_mask=mask)
+        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+        out = reference_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)
+        out.backward(do.double())
+        for a, b, c in zip(whole, chunked, (out, qd.grad, kd.grad, vd.grad)):
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, c.detach())
+        unmasked = reference_grads(q, k, v, do, False)
+        assert (whole[0] - unmasked[0]).abs().max() > 1e-2  # the mask did something
+
+
+@SDPA_REFUSAL_WARNINGS
+def test_every_impl_gets_mask_and_dropout():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=g) for _ in range(3))
+    mask = make_attn_mask(Config(2, 2, 2, 16, 16, 8, False, mask="full"), "cpu")
+    ref = reference_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    for im in make_impls("cpu"):
+        if not im.available:
+            continue
+        with im.context():
+            torch.testing.assert_close(im.fn(q, k, v, False, mask).double(), ref, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m: f"{im.name}: {m}")
+            try:
+                dropped = im.fn(q, k, v, False, mask, 0.5)
+            except Unsupported as e:  # CPU flash: "Both fused kernels do not support non-zero dropout"
+                assert im.name == "sdpa-flash" and "dropout" in str(e), (im.name, e)
+                continue
+            assert not torch.allclose(dropped.double(), ref, atol=1e-3), im.name
+
+
+def test_masks_suite_json_and_overhead_table(masks_doc, tmp_path):
+    doc = json.loads(report.write_json(masks_doc, tmp_path / "masks.json").read_text())
+    assert [i["name"] for i in doc["implementations"]] == MASK_IMPLS
+    results = {e["key"]: e for e in doc["results"]}
+    assert len(results) == len(get_suite("masks", "cpu"))
+    for e in doc["results"]:
+        for name in MASK_IMPLS:
+            assert e["impls"][name]["status"] == "ok", (e["key"], name, e["impls"][name])
+    shapes = {c.plain().with_dtype("fp32").key() for c in get_suite("masks", "cpu")}
+    rows = doc["overhead"]
+    assert {(r["shape"], r["variant"], r["impl"]) for r in rows} == {
+        (s, v, n) for s in shapes for v in VARIANTS for n in MASK_IMPLS}
+    for r in rows:
+        variant, plain = results[f"{r['shape']} {r['variant']}"], results[r["shape"]]
+        for ph in ("fwd", "bwd", "fwdbwd"):
+            expect = variant["impls"][r["impl"]][f"{ph}_ms"] / plain["impls"][r["impl"]][f"{ph}_ms"]
+            assert r[ph] == pytest.approx(expect)
+        if r["impl"] != "flashv100":  # flashv100 vs this impl in the same variant
+            assert r["speedup"] == variant["speedup"][r["impl"]]
+    text = report.markdown(masks_doc)
+    assert "#### Overhead of masks and dropout" in text
+    assert "| shape | variant | impl | fwd | fwd+bwd | f+b vs flashv100 |" in text
+    some = rows[0]
+    assert f"| {some['shape']} | {some['variant']} | {some['impl']} | {some['fwd']:.2f}x |" in text
+    assert "flashv100, largest fwd+bwd overhead" in text
+
+
+def test_no_overhead_without_variants(tiny_doc):
+    assert "overhead" not in tiny_doc
+    assert "Overhead" not in report.markdown(tiny_doc)
+
+
+def test_dropout_skips_accuracy_masks_do_not(masks_doc):
+    n_dropout = 0
+    for e in masks_doc["results"]:
+        dropout = e["config"].get("dropout", 0.0) > 0
+        n_dropout += dropout
+        assert ("reference" in e) == dropout and ("reference_s" in e) != dropout
+        for name in MASK_IMPLS:
+            r = e["impls"][name]
+            assert r["status"] == "ok"
+            errs = [r[f] for f in ("err_out", "err_dq", "err_dk", "err_dv")]
+            if dropout:
+                assert errs == [None] * 4 and r["accuracy"].startswith("not applicable")
+            else:
+                assert "accuracy" not in r
+                assert all(0 <= x < 1e-4 for x in errs), (e["key"], name, errs)  # masked fp64 reference
+    assert n_dropout == 4
+    assert "| n/a | n/a | n/a | n/a |" in report.detail_markdown(masks_doc)
+
+
+def test_impl_ignoring_the_mask_shows_in_errors():
+    naive = make_impls("cpu", ["naive"])[0]
+    deaf = Impl("deaf", lambda q, k, v, causal, attn_mask=None, dropout_p=0.0: naive.fn(q, k, v, causal),
+                "naive without the mask")
+    cfg = Config(2, 2, 2, 32, 32, 16, False, mask="padding")
+    doc = run_suite([cfg], "cpu", impls=[naive, deaf], time_budget_s=None, progress=False)
+    r = doc["results"][0]["impls"]
+    assert r["naive"]["err_out"] < 1e-4 and r["deaf"]["err_out"] > 1e-2
+
+
+@SDPA_REFUSAL_WARNINGS
+def test_refused_mask_or_dropout_is_unsupported_not_a_crash():
+    # PyTorch's CPU flash kernel refuses dropout; GQA so that the native-GQA fallback is exercised
+    impls = make_impls("cpu", ["flashv100", "sdpa-flash"])
+    plain = Config(2, 4, 2, 24, 40, 8, False)
+    cfgs = [plain, replace(plain, mask="padding-additive", dropout=0.1), replace(plain, mask="padding-additive")]
+    doc = run_suite(cfgs, "cpu", impls=impls, time_budget_s=None, progress=False)
+    ok, refused, after = (e["impls"]["sdpa-flash"] for e in doc["results"])
+    assert refused["status"] == "unsupported" and "dropout" in refused["reason"], refused
+    assert "Triggered internally" not in refused["reason"]
+    assert ok["status"] == after["status"] == "ok"  # a refusal does not disable the backend
+    assert all(e["impls"]["flashv100"]["status"] == "ok" for e in doc["results"])
+    text = report.markdown(doc)
+    assert "sdpa-flash: unsupported: No available kernel" in text
+    assert [r.get("status") for r in doc["overhead"] if r["impl"] == "sdpa-flash"] == ["unsupported", None]
