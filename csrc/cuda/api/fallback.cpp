@@ -52,9 +52,14 @@ Probs softmax_probs(const at::Tensor& q, const at::Tensor& k,
     const at::Tensor cols = at::arange(len_kv, idx).unsqueeze(0);
     scores = scores.masked_fill(cols > rows + shift, -INFINITY);
   }
+  Probs r;
+  if (len_kv == 0) {  // no key at all: amax has no identity, every row is empty
+    r.probs = scores;
+    r.lse = at::full({q.size(0), q.size(1), len_q}, -INFINITY, scores.options());
+    return r;
+  }
   // Normalize by the sum, not by exp(lse): with huge biases (finfo.min on a whole row) log(sum)
   // vanishes next to the max in lse, and the row must still average (as SDPA math does).
-  Probs r;
   const at::Tensor row_max = scores.amax(-1, true);
   const at::Tensor empty_row = row_max.isneginf();
   const at::Tensor exps = at::exp(scores - row_max.masked_fill(empty_row, 0.0));

@@ -15,15 +15,18 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, const BackwardParams
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
                                                                  c10::cuda::current_device());
   at::Tensor dsum = at::empty({s.batch * s.heads_q * s.len_q}, f32);
-  at::Tensor dq_accum;
-  if (!p.deterministic) dq_accum = at::zeros({s.batch * s.heads_q * s.len_q * s.head_dim}, f32);
   dispatch(atom, dtype, s.head_dim, is_general(p.fwd),
            [&](auto atom_tag, auto elem_tag, auto dim, auto general) {
     using Atom = decltype(atom_tag);
     using Elem = decltype(elem_tag);
     constexpr int D = decltype(dim)::value;
     constexpr bool G = decltype(general)::value;
-    using Cfg = kern::BwdConfig<D, G>;
+    using Cfg = kern::BwdConfig<Atom, D, G>;
+    using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
+    at::Tensor dq_accum;
+    if (!p.deterministic) {
+      dq_accum = at::zeros({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
+    }
     kern::flash_bwd_dsum_kernel<Elem><<<ceil_div(s.batch * s.heads_q * s.len_q, 4), 128, 0,
                                         stream>>>(p, dsum.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -43,10 +46,9 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, const BackwardParams
       const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
       dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum.data_ptr<float>());
     } else {
-      const int64_t pairs = s.batch * s.heads_q * s.len_q * s.head_dim / 2;
-      const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(pairs, 256), 65536));
-      kern::flash_bwd_dq_convert_kernel<Elem>
-          <<<blocks, 256, 0, stream>>>(p, dq_accum.data_ptr<float>());
+      const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
+      kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, G>
+          <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_accum.data_ptr<float>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -14,7 +14,7 @@ void run_fused_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& 
            [&](auto atom_tag, auto elem_tag, auto dim, auto general) {
     constexpr int D = decltype(dim)::value;
     constexpr bool G = decltype(general)::value;
-    using Cfg = kern::FwdConfig<D, G>;
+    using Cfg = kern::FwdConfig<decltype(atom_tag), D, G>;
     const auto kernel = kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, G>;
     set_smem(kernel, Cfg::kSmemBytes);
     debug_kernel("flash_fwd", D, G, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads, Cfg::kSmemBytes);

@@ -1,7 +1,8 @@
 // Compiled tile configurations, one per head-dim bucket. Every head dim d (multiple of 8, <= 256)
 // runs in the smallest bucket >= d with the columns beyond d zero-filled in shared memory.
 // All warp tiles are multiples of 16x16 so both atoms (16x16x4 Volta, 16x8x16 Ampere) fit.
-// Shared memory per block is static per config and stays within Volta's 96 KB (static_asserts).
+// Shared memory per block is static per config and stays within the atom's GPUs (static_asserts;
+// Volta: 96 KB).
 #pragma once
 
 #include "cuda/kernels/warp_tile.cuh"
@@ -12,7 +13,6 @@ namespace kern {
 // The compiled head-dim buckets; launchers and the NVRTC gate enumerate them through this list.
 #define FLASHV100_FOR_EACH_HEAD_DIM(X) X(32) X(64) X(128) X(256)
 
-constexpr int kVoltaMaxSmemBytes = 96 * 1024;
 constexpr int kSmemPad = 8;  // 16 bytes of row padding against bank conflicts
 
 constexpr __host__ __device__ int head_dim_bucket(int d) {
@@ -24,32 +24,44 @@ constexpr __host__ __device__ int head_dim_bucket(int d) {
 // tiles would spill registers on sm_70 (checked by scripts/nvrtc_gate.py).
 
 // Forward: each warp owns kBlockM / kWarps query rows and the whole key tile.
-template <int kHeadDim, bool kGeneral>
+// Volta: 16 rows per warp (P staged through shared memory, 64K registers per SM). Atoms with P
+// in registers take 32 rows per warp up to head dim 128, so each K/V fragment feeds two MMAs.
+template <class Atom, int kHeadDim, bool kGeneral>
 struct FwdTile {
-  static constexpr int kBlockM = 64, kWarps = 4;
-  // Keys per tile: plain 64 up to head dim 128; general 64 / 32 / 16 / 16 for 32 / 64 / 128 / 256.
-  static constexpr int kBlockN = !kGeneral ? (kHeadDim <= 128 ? 64 : 16)
-                                           : (kHeadDim <= 32 ? 64 : kHeadDim == 64 ? 32 : 16);
+  static constexpr bool kWide = Atom::kAccumIsA && kHeadDim <= 128;
+  static constexpr int kWarps = 4;
+  static constexpr int kBlockM = kWide ? 128 : 64;
+  // Keys per tile, the largest without register spills (scripts/nvrtc_gate.py). Volta: plain 64
+  // up to head dim 128, else 16; general 64 / 32 / 16 / 16 for head dims 32 / 64 / 128 / 256.
+  // P in registers: plain 64 / 64 / 32 / 16, general 32 / 32 / 16 / 16.
+  static constexpr int kBlockN =
+      Atom::kAccumIsA ? (kHeadDim >= 256 || (kGeneral && kHeadDim == 128) ? 16
+                         : kGeneral || kHeadDim == 128                  ? 32
+                                                                        : 64)
+      : !kGeneral ? (kHeadDim <= 128 ? 64 : 16)
+                  : (kHeadDim <= 32 ? 64 : kHeadDim == 64 ? 32 : 16);
 };
 
-template <int kHeadDim_, bool kGeneral_>
-struct FwdConfig : FwdTile<kHeadDim_, kGeneral_> {
-  using T = FwdTile<kHeadDim_, kGeneral_>;
+template <class Atom, int kHeadDim_, bool kGeneral_>
+struct FwdConfig : FwdTile<Atom, kHeadDim_, kGeneral_> {
+  using T = FwdTile<Atom, kHeadDim_, kGeneral_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kGeneral = kGeneral_;
   static constexpr int kThreads = T::kWarps * 32;
   static constexpr int kWarpRows = T::kBlockM / T::kWarps;
+  // V is stored transposed for atoms that read B fragments pair by pair (pairs along keys).
+  static constexpr bool kVTransposed = !Atom::kLdmatrix;
   static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]
   static constexpr int kLdVt = T::kBlockN + kSmemPad;   // or V^T: [head dim][keys]
   static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
-  static constexpr int kVElems = kHeadDim * kLdVt > T::kBlockN * kLdQK ? kHeadDim * kLdVt
-                                                                       : T::kBlockN * kLdQK;
+  static constexpr int kVElems = kVTransposed ? kHeadDim * kLdVt : T::kBlockN * kLdQK;
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + T::kBlockM * kLdQK;
   static constexpr int kVOffset = kKOffset + T::kBlockN * kLdQK;
   static constexpr int kPOffset = kVOffset + kVElems;
-  static constexpr int kSmemBytes = (kPOffset + T::kBlockM * kLdP) * 2;
-  static_assert(kSmemBytes <= kVoltaMaxSmemBytes, "forward tile exceeds Volta shared memory");
+  static constexpr int kPElems = Atom::kAccumIsA ? 0 : T::kBlockM * kLdP;
+  static constexpr int kSmemBytes = (kPOffset + kPElems) * 2;
+  static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "forward tile exceeds shared memory");
 };
 
 // Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N] (over the
@@ -63,19 +75,24 @@ struct BwdTileShape {
                        kSWarps = kSWarps_, kWarpsNS = kWarpsNS_, kWarpsNKV = kWarpsNKV_,
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
-template <int kHeadDim, bool kGeneral> struct BwdTile;
-template <> struct BwdTile<32, false> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
-template <> struct BwdTile<64, false> : BwdTileShape<64, 64, 4, 4, 1, 1, 1, 64> {};
-template <> struct BwdTile<128, false> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 128> {};
-template <> struct BwdTile<256, false> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
-template <> struct BwdTile<32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
-template <> struct BwdTile<64, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 64> {};
-template <> struct BwdTile<128, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 128> {};
-template <> struct BwdTile<256, true> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
+template <class Atom, int kHeadDim, bool kGeneral> struct BwdTile;
+// Volta: 16-row warp tiles (registers), smaller where the general variant would spill.
+template <bool G> struct BwdTile<VoltaAtom, 32, G> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
+template <> struct BwdTile<VoltaAtom, 64, false> : BwdTileShape<64, 64, 4, 4, 1, 1, 1, 64> {};
+template <> struct BwdTile<VoltaAtom, 64, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 64> {};
+template <bool G> struct BwdTile<VoltaAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 128> {};
+template <bool G> struct BwdTile<VoltaAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
+// Ampere+: 32-row warp tiles, so that each B fragment read from shared memory feeds two MMAs
+// (16-row tiles leave the products bound by shared-memory bandwidth); 128 keys per block up to
+// head dim 64.
+template <bool G> struct BwdTile<AmpereAtom, 32, G> : BwdTileShape<64, 128, 8, 8, 4, 2, 4, 32> {};
+template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8, 4, 2, 4, 64> {};
+template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
+template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
 
-template <int kHeadDim_, bool kGeneral_>
-struct BwdConfig : BwdTile<kHeadDim_, kGeneral_> {
-  using T = BwdTile<kHeadDim_, kGeneral_>;
+template <class Atom, int kHeadDim_, bool kGeneral_>
+struct BwdConfig : BwdTile<Atom, kHeadDim_, kGeneral_> {
+  using T = BwdTile<Atom, kHeadDim_, kGeneral_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kGeneral = kGeneral_;
   static constexpr int kThreads = T::kWarps * 32;
@@ -98,7 +115,7 @@ struct BwdConfig : BwdTile<kHeadDim_, kGeneral_> {
   static constexpr int kDSOffset = kPOffset + T::kBlockM * kLdN;
   static constexpr int kRowVecByteOffset = (kDSOffset + T::kBlockM * kLdN) * 2;
   static constexpr int kSmemBytes = kRowVecByteOffset + 2 * T::kBlockM * 4;
-  static_assert(kSmemBytes <= kVoltaMaxSmemBytes, "backward tile exceeds Volta shared memory");
+  static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "backward tile exceeds shared memory");
 };
 
 }  // namespace kern

@@ -30,9 +30,10 @@ struct BwdSmem {
   }
 };
 
-// Q, dO, lse and D of query rows [m0, m0 + kBlockM) of head h. Rows past the end get
-// lse = +inf so that their recomputed P is exactly 0.
-template <class Cfg>
+// Q, dO, lse and D of query rows [m0, m0 + kBlockM) of head h (Q and dO by stage_tile: they
+// land after cp_async_wait_all). Rows past the end get lse = +inf so that their recomputed P is
+// exactly 0.
+template <class Atom, class Cfg>
 __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const BackwardParams& p,
                                                 const float* dsum, int64_t b, int64_t h, int m0,
                                                 int tid) {
@@ -40,24 +41,25 @@ __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const Ba
   const int rows = static_cast<int>(f.shape.len_q) - m0;
   const int d = static_cast<int>(f.shape.head_dim);
   const int64_t row_index = (b * f.shape.heads_q + h) * f.shape.len_q + m0;
-  load_tile<Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
+  stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
       sm.q, Cfg::kLdE, head_ptr(f.q, f.q_strides, b, h, m0), f.q_strides.row, rows, d, tid);
-  load_tile<Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
+  stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
       sm.dout, Cfg::kLdE, head_ptr(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row, rows, d,
       tid);
   load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.lse, f.lse + row_index, rows, pos_inf(), tid);
   load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.dsum, dsum + row_index, rows, 0.0f, tid);
 }
 
-template <class Cfg>
+// K and V of key rows [n0, n0 + kBlockN) of kv head hk (by stage_tile).
+template <class Atom, class Cfg>
 __device__ __forceinline__ void load_key_side(const BwdSmem<Cfg>& sm, const BackwardParams& p,
                                               int64_t b, int64_t hk, int n0, int tid) {
   const ForwardParams& f = p.fwd;
   const int rows = static_cast<int>(f.shape.len_kv) - n0;
   const int d = static_cast<int>(f.shape.head_dim);
-  load_tile<Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads>(
+  stage_tile<Atom, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads>(
       sm.k, Cfg::kLdE, head_ptr(f.k, f.k_strides, b, hk, n0), f.k_strides.row, rows, d, tid);
-  load_tile<Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads>(
+  stage_tile<Atom, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads>(
       sm.v, Cfg::kLdE, head_ptr(f.v, f.v_strides, b, hk, n0), f.v_strides.row, rows, d, tid);
 }
 
@@ -90,9 +92,9 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const Visib
   Acc s, dp;
   s.zero();
   dp.zero();
-  warp_gemm<Atom, Elem>(s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE},
+  warp_gemm<Atom, Elem, Cfg::kHeadDim>(s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE},
                         KMajor{sm.k + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent, Cfg::kSCols, lane);
-  warp_gemm<Atom, Elem>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
+  warp_gemm<Atom, Elem, Cfg::kHeadDim>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
                         KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent, Cfg::kSCols, lane);
   const bool needs_mask = vis.tile_needs_mask(m0 + r0, n0 + c0, Cfg::kSCols);
 #pragma unroll
@@ -152,12 +154,50 @@ __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParam
   if (lane == 0) dsum[row] = acc;
 }
 
+// The fp32 dQ workspace of the atomic path, laid out the way the dK/dV kernel's warps hold dQ:
+// per (batch * head, query tile, head-dim chunk of kDqCols, warp), the warp's accumulator
+// registers one after another, each as 32 consecutive floats (one per lane), so that every
+// atomic instruction of a warp covers 128 contiguous bytes. Unscaled; query tiles are padded.
+template <class Atom, class Cfg>
+struct DqWorkspace {
+  using Acc = WarpAccum<Atom, Cfg::kQRows, Cfg::kQCols>;
+  static constexpr int kWarpFloats = Acc::kFragM * Acc::kFragN * Atom::kCRegs * 32;
+  static constexpr int kTileFloats = Cfg::kHeadDim / Cfg::kDqCols * Cfg::kWarps * kWarpFloats;
+  static_assert(kTileFloats == Cfg::kBlockM * Cfg::kHeadDim, "dQ warps must tile the query tile");
+
+  static __host__ __device__ int64_t query_tiles(int64_t len_q) {
+    return (len_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  }
+  static __host__ __device__ int64_t floats(int64_t batch_heads, int64_t len_q) {
+    return batch_heads * query_tiles(len_q) * kTileFloats;
+  }
+  // The registers of `warp` for query tile m0 / kBlockM and head-dim chunk `chunk`.
+  template <class Float>
+  static __device__ __forceinline__ Float* warp_tile(Float* ws, int64_t batch_head, int len_q,
+                                                     int m0, int chunk, int warp) {
+    const int64_t tile = batch_head * query_tiles(len_q) + m0 / Cfg::kBlockM;
+    return ws + tile * kTileFloats +
+           static_cast<int64_t>(chunk * Cfg::kWarps + warp) * kWarpFloats;
+  }
+  // f(fm, fn, i, offset of register (fm, fn, i) of this lane within the warp's registers).
+  template <class F>
+  static __device__ __forceinline__ void for_each_slot(int lane, F&& f) {
+#pragma unroll
+    for (int fm = 0; fm < Acc::kFragM; ++fm)
+#pragma unroll
+      for (int fn = 0; fn < Acc::kFragN; ++fn)
+#pragma unroll
+        for (int i = 0; i < Atom::kCRegs; ++i)
+          f(fm, fn, i, ((fm * Acc::kFragN + fn) * Atom::kCRegs + i) * 32 + lane);
+  }
+};
+
 // dK, dV for key tile blockIdx.x of (batch, kv head) blockIdx.y; optionally dQ by fp32 atomics
-// into dq_accum ([B, Hq, Lq, d] contiguous, unscaled). kGeneral: attn_mask and/or dropout.
+// into dq_accum (a DqWorkspace). kGeneral: attn_mask and/or dropout.
 template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
     flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum) {
-  using Cfg = BwdConfig<kHeadDim, kGeneral>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
   extern __shared__ uint4 smem_raw[];
   const BwdSmem<Cfg> sm(smem_raw);
@@ -172,7 +212,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
   const int64_t b = blockIdx.y / f.shape.heads_kv, hk = blockIdx.y % f.shape.heads_kv;
   const int64_t group = f.shape.heads_q / f.shape.heads_kv;
 
-  load_key_side(sm, p, b, hk, n0, tid);
+  load_key_side<Atom>(sm, p, b, hk, n0, tid);
 
   using KVAcc = WarpAccum<Atom, Cfg::kKVRows, Cfg::kKVCols>;
   const int kv_r0 = (warp / Cfg::kWarpsNKV) * Cfg::kKVRows;
@@ -181,40 +221,51 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
   dk.zero();
   dv.zero();
 
-  using QAcc = WarpAccum<Atom, Cfg::kQRows, Cfg::kQCols>;
+  using DqWs = DqWorkspace<Atom, Cfg>;
+  using QAcc = typename DqWs::Acc;
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
 
+  // Steps: the query tiles that can see this key tile, for each query head of the GQA group.
   const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
-  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+  const int tiles_per_head = max(0, (vis.len_q - row_begin + kBlockM - 1) / kBlockM);
+  const int steps = tiles_per_head * static_cast<int>(group);
+  const auto head_of = [&](int step) { return hk * group + step / tiles_per_head; };
+  const auto row_of = [&](int step) { return row_begin + (step % tiles_per_head) * kBlockM; };
+  if (steps > 0) load_query_side<Atom>(sm, p, dsum, b, head_of(0), row_of(0), tid);
+  for (int step = 0; step < steps; ++step) {
+    const int64_t h = head_of(step);
+    const int m0 = row_of(step);
     const BwdHead head(p, b, h);
-    for (int m0 = row_begin; m0 < vis.len_q; m0 += kBlockM) {
-      __syncthreads();  // the previous query tile (Q, dO, P, dS) is fully consumed
-      load_query_side(sm, p, dsum, b, h, m0, tid);
-      __syncthreads();
-      compute_p_ds<Atom, Elem, Cfg, true, true>(sm, vis, head, dropout, scale, k_extent, m0, n0,
-                                                warp, lane);
-      __syncthreads();
-      // dV += P^T dO and dK += dS^T Q: reductions over the tile's query rows.
-      warp_gemm<Atom, Elem>(dv, MMajor{sm.p + kv_r0, Cfg::kLdN}, MMajor{sm.dout + kv_c0, kLdE},
-                            kBlockM, n_extent - kv_c0, lane);
-      warp_gemm<Atom, Elem>(dk, MMajor{sm.ds + kv_r0, Cfg::kLdN}, MMajor{sm.q + kv_c0, kLdE},
-                            kBlockM, n_extent - kv_c0, lane);
-      if (dq_accum != nullptr) {
-        float* dq_rows = dq_accum + ((b * f.shape.heads_q + h) * f.shape.len_q + m0) * d;
-        for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
-          const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
-          QAcc dq;
-          dq.zero();
-          warp_gemm<Atom, Elem>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
-                                MMajor{sm.k + q_c0, kLdE}, kBlockN, n_extent - q_c0, lane);
-          dq.for_each(lane, [&](int, int, int r, int c, float& x) {
-            if (m0 + q_r0 + r < vis.len_q && q_c0 + c < d)
-              atomicAdd(dq_rows + static_cast<int64_t>(q_r0 + r) * d + q_c0 + c, x);
-          });
-        }
+    cp_async_wait_all();
+    __syncthreads();  // this step's Q, dO, lse, D landed; the last step's dS is fully consumed
+    compute_p_ds<Atom, Elem, Cfg, true, true>(sm, vis, head, dropout, scale, k_extent, m0, n0,
+                                              warp, lane);
+    __syncthreads();
+    // dV += P^T dO and dK += dS^T Q: reductions over the tile's query rows.
+    warp_gemm<Atom, Elem, kBlockM>(dv, MMajor{sm.p + kv_r0, Cfg::kLdN},
+                                   MMajor{sm.dout + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
+    warp_gemm<Atom, Elem, kBlockM>(dk, MMajor{sm.ds + kv_r0, Cfg::kLdN},
+                                   MMajor{sm.q + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
+    // The next step's query side loads while dQ = dS K is computed (it reads only dS and K).
+    __syncthreads();
+    if (step + 1 < steps)
+      load_query_side<Atom>(sm, p, dsum, b, head_of(step + 1), row_of(step + 1), tid);
+    if (dq_accum != nullptr) {
+      for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
+        const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
+        QAcc dq;
+        dq.zero();
+        warp_gemm<Atom, Elem, kBlockN>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
+                                       MMajor{sm.k + q_c0, kLdE}, kBlockN, n_extent - q_c0, lane);
+        float* dst = DqWs::warp_tile(dq_accum, b * f.shape.heads_q + h, vis.len_q, m0,
+                                     e0 / Cfg::kDqCols, warp);
+        DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) {
+          if (q_c0 + QAcc::col_of(lane, fn, i) < d) atomicAdd(dst + slot, dq.c[fm][fn][i]);
+        });
       }
     }
   }
+  cp_async_wait_all();  // K and V when no query tile sees this key tile
 
   const int rows_valid = vis.len_kv - n0 - kv_r0;
   store_accum_global<Elem>(dk, head_ptr(p.dk, p.dk_strides, b, hk, n0 + kv_r0) + kv_c0,
@@ -227,9 +278,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.
 template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
     flash_bwd_dq_kernel(const BackwardParams p, const float* dsum) {
-  using Cfg = BwdConfig<kHeadDim, kGeneral>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   extern __shared__ uint4 smem_raw[];
   const BwdSmem<Cfg> sm(smem_raw);
@@ -245,7 +296,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
   const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
   const BwdHead head(p, b, h);
 
-  load_query_side(sm, p, dsum, b, h, m0, tid);
+  load_query_side<Atom>(sm, p, dsum, b, h, m0, tid);
 
   using QAcc = WarpAccum<Atom, Cfg::kQRows, Cfg::kQColsFull>;
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
@@ -255,34 +306,44 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kGeneral>::kThreads)
   const int key_end = vis.key_end(m0 + kBlockM);
   for (int n0 = 0; n0 < key_end; n0 += kBlockN) {
     __syncthreads();  // the previous K/V/dS tile is fully consumed
-    load_key_side(sm, p, b, hk, n0, tid);
+    load_key_side<Atom>(sm, p, b, hk, n0, tid);
+    cp_async_wait_all();
     __syncthreads();
     compute_p_ds<Atom, Elem, Cfg, false, false>(sm, vis, head, dropout, scale, k_extent, m0, n0,
                                                 warp, lane);
     __syncthreads();
-    warp_gemm<Atom, Elem>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
-                          MMajor{sm.k + q_c0, Cfg::kLdE}, kBlockN, n_extent - q_c0, lane);
+    warp_gemm<Atom, Elem, kBlockN>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
+                                   MMajor{sm.k + q_c0, Cfg::kLdE}, kBlockN, n_extent - q_c0, lane);
   }
+  cp_async_wait_all();  // Q and dO when no key is visible
   store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, m0 + q_r0) + q_c0,
                            p.dq_strides.row, vis.len_q - m0 - q_r0, d - q_c0, lane,
                            [&](int, int) { return scale; });
 }
 
-// dq = scale * dq_accum, converted to Elem and written with dq's strides.
-template <class Elem>
-__global__ void __launch_bounds__(256) flash_bwd_dq_convert_kernel(const BackwardParams p,
-                                                                   const float* dq_accum) {
+// dq = scale * dq_accum (a DqWorkspace), converted to Elem and written with dq's strides: query
+// tile blockIdx.x of (batch, head) blockIdx.y, each warp reading back the registers it added.
+template <class Atom, class Elem, int kHeadDim, bool kGeneral>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
+    flash_bwd_dq_convert_kernel(const BackwardParams p, const float* dq_accum) {
+  using Cfg = BwdConfig<Atom, kHeadDim, kGeneral>;
+  using DqWs = DqWorkspace<Atom, Cfg>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const ForwardParams& f = p.fwd;
-  const int64_t half_d = f.shape.head_dim / 2;
+  const int len_q = static_cast<int>(f.shape.len_q), d = static_cast<int>(f.shape.head_dim);
+  const int m0 = blockIdx.x * Cfg::kBlockM;
+  const int64_t b = blockIdx.y / f.shape.heads_q, h = blockIdx.y % f.shape.heads_q;
+  const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
   const float scale = static_cast<float>(f.scale);
-  const int64_t pairs = f.shape.batch * f.shape.heads_q * f.shape.len_q * half_d;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < pairs;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = idx / half_d, e = (idx % half_d) * 2;
-    const int64_t bh = row / f.shape.len_q, i = row % f.shape.len_q;
-    uint16_t* dst = head_ptr(p.dq, p.dq_strides, bh / f.shape.heads_q, bh % f.shape.heads_q, i);
-    const float* src = dq_accum + row * f.shape.head_dim + e;
-    *reinterpret_cast<uint32_t*>(dst + e) = pack2<Elem>(src[0] * scale, src[1] * scale);
+  for (int e0 = 0; e0 < round_up(d, Atom::kN); e0 += Cfg::kDqCols) {
+    const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
+    const float* src = DqWs::warp_tile(dq_accum, blockIdx.y, len_q, m0,
+                                       e0 / Cfg::kDqCols, warp);
+    typename DqWs::Acc dq;
+    DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) { dq.c[fm][fn][i] = src[slot]; });
+    store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, m0 + q_r0) + q_c0,
+                             p.dq_strides.row, len_q - m0 - q_r0, d - q_c0, lane,
+                             [&](int, int) { return scale; });
   }
 }
 

@@ -1,8 +1,10 @@
 // FlashAttention-2 forward: one block per (query tile, batch*head). Q stays in shared memory, K/V
 // tiles stream through it; S and the fp32 O accumulator live in registers, the online softmax runs
-// in fp32 on the accumulator map. P goes through a warp-private shared tile to become the A operand
-// of P.V (the accumulator and A-operand layouts differ on Volta). V is stored transposed for atoms
-// that read fragments pair by pair (Volta: pairs along keys), as is for ldmatrix atoms (.trans).
+// in fp32 on the accumulator map. P becomes the A operand of P.V in registers where the atom's
+// layouts allow it (kAccumIsA), else through a warp-private shared tile (Volta). V is stored
+// transposed for atoms that read fragments pair by pair (Volta: pairs along keys), as is for
+// ldmatrix atoms (.trans). Loads are issued one stage ahead: V of a tile while S is computed, K of
+// the next tile while P.V runs (asynchronous with cp.async; on Volta the same order, synchronous).
 // The attn_mask bias is added to the scores and dropout is applied to P after the row sums (the
 // softmax normalizes undropped P). Scores stay in natural-log units until exponentiation so that
 // finfo.min biases cannot overflow.
@@ -16,9 +18,9 @@ namespace kern {
 
 // kGeneral: the problem has an attn_mask and/or dropout (see configs.cuh).
 template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
+__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
     flash_fwd_kernel(const ForwardParams p) {
-  using Cfg = FwdConfig<kHeadDim, kGeneral>;
+  using Cfg = FwdConfig<Atom, kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kWarpRows = Cfg::kWarpRows;
   using SAcc = WarpAccum<Atom, kWarpRows, kBlockN>;
@@ -30,7 +32,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
   uint16_t* sQ = smem + Cfg::kQOffset;
   uint16_t* sK = smem + Cfg::kKOffset;
   uint16_t* sV = smem + Cfg::kVOffset;
-  constexpr bool kVTransposed = !Atom::kLdmatrix;
+  constexpr bool kVTransposed = Cfg::kVTransposed;
   uint16_t* sP = smem + Cfg::kPOffset;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -46,8 +48,14 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
   const HeadMask mask(p.mask, b, h);
   const Dropout dropout(p.dropout);
 
-  load_tile<kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK, head_ptr(p.q, p.q_strides, b, h, m0),
-                                         p.q_strides.row, vis.len_q - m0, d, tid);
+  const auto stage_k = [&](int n0) {
+    stage_tile<Atom, kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
+                                                  p.k_strides.row, vis.len_kv - n0, d, tid);
+  };
+  stage_tile<Atom, kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK,
+                                                head_ptr(p.q, p.q_strides, b, h, m0),
+                                                p.q_strides.row, vis.len_q - m0, d, tid);
+  stage_k(0);
 
   OAcc o;
   o.zero();
@@ -74,18 +82,15 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
 
   const int key_end = vis.key_end(m0 + kBlockM);
   for (int n0 = 0; n0 < key_end; n0 += kBlockN) {
-    __syncthreads();  // the previous K/V tile is fully consumed
-    const int keys_valid = vis.len_kv - n0;
-    load_tile<kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
-                                           p.k_strides.row, keys_valid, d, tid);
-    load_tile<kBlockN, kHeadDim, kThreads, kVTransposed>(
+    cp_async_wait_all();
+    __syncthreads();  // K (and Q) landed; every warp is done with the previous V
+    stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
         sV, kVTransposed ? Cfg::kLdVt : Cfg::kLdQK, v_head + n0 * p.v_strides.row,
-        p.v_strides.row, keys_valid, d, tid);
-    __syncthreads();
+        p.v_strides.row, vis.len_kv - n0, d, tid);
 
     SAcc s;
     s.zero();
-    warp_gemm<Atom, Elem>(s, q_op, k_op, k_extent, kBlockN, lane);
+    warp_gemm<Atom, Elem, kHeadDim>(s, q_op, k_op, k_extent, kBlockN, lane);
 
     // Scaled scores plus mask bias; invisible keys -> -inf.
     const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, n0, kBlockN);
@@ -136,11 +141,19 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim, kGeneral>::kThreads)
       });
     }
 
-    store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, 0, lane);
-    __syncwarp();
-    warp_gemm<Atom, Elem>(o, p_op, v_op, kBlockN, n_extent, lane);
-    __syncwarp();  // P is rewritten by the next tile
+    cp_async_wait_all();
+    __syncthreads();  // V landed; every warp is done with K
+    if (n0 + kBlockN < key_end) stage_k(n0 + kBlockN);
+    if constexpr (Atom::kAccumIsA) {
+      warp_gemm_accum_a<Atom, Elem>(o, s, v_op, n_extent, lane);
+    } else {
+      // The warp's P rows are rewritten only after the next two block barriers.
+      store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, 0, lane);
+      __syncwarp();
+      warp_gemm<Atom, Elem, kBlockN>(o, p_op, v_op, kBlockN, n_extent, lane);
+    }
   }
+  cp_async_wait_all();  // no copy may be in flight at exit (K of tile 0 when no key is visible)
 
   // Epilogue: O / l and lse = ln(sum exp(scaled scores)); rows with no visible key: 0 and -inf.
   float inv_sum[kFragM][kSlots];

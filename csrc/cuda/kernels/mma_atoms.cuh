@@ -9,6 +9,9 @@
 // Accumulator element i sits at (c_row, c_col); c_col(i ^ 1) == c_col(i) ^ 1, so elements (2k, 2k+1)
 // are column neighbours. The rows a lane holds are indexed by a "row slot", and the lanes sharing
 // a row differ exactly in the bits of kRowLaneMask (used for row reductions via shuffles).
+// Besides the instruction, an atom names what the GPUs that run it offer the tiles above:
+// kAccumIsA (an accumulator tile can be repacked as an A operand in registers), kAsyncCopy
+// (cp.async) and kMaxSmemBytes (dynamic shared memory per block on the smallest such GPU).
 #pragma once
 
 #include "cuda/kernels/numeric.cuh"
@@ -25,6 +28,10 @@ struct VoltaAtom {
   static constexpr int kARegs = 2, kBRegs = 2, kCRegs = 8;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b01010;  // lanes of a row differ in bits 1 and 3
+  // The m8n8k4 accumulator and A layouts differ, so P goes through shared memory.
+  static constexpr bool kAccumIsA = false;
+  static constexpr bool kAsyncCopy = false;
+  static constexpr int kMaxSmemBytes = 96 * 1024;
 
   static __device__ __forceinline__ int a_row(int lane, int) {
     return ((lane >> 2) & 1) * 8 + (lane >> 4) * 4 + (lane & 3);
@@ -63,6 +70,22 @@ struct AmpereAtom {
   static constexpr int kARegs = 4, kBRegs = 2, kCRegs = 4;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b00011;  // lanes of a row differ in bits 0 and 1
+  static constexpr bool kAccumIsA = true;
+  static constexpr bool kAsyncCopy = true;        // sm_80+
+  static constexpr int kMaxSmemBytes = 99 * 1024;  // sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
+
+  // The A fragment (16 rows x 16 k) made of two accumulator tiles (16 rows x 8 cols each) that
+  // sit side by side along k: A register j holds (row + 8 (j & 1), col + 8 (j >> 1)), exactly the
+  // accumulator pair (c[2 (j & 1)], c[2 (j & 1) + 1]) of tile j >> 1.
+  template <class Elem>
+  static __device__ __forceinline__ void a_from_accum(const float (&lo)[kCRegs],
+                                                      const float (&hi)[kCRegs],
+                                                      uint32_t (&a)[kARegs]) {
+    a[0] = pack2<Elem>(lo[0], lo[1]);
+    a[1] = pack2<Elem>(lo[2], lo[3]);
+    a[2] = pack2<Elem>(hi[0], hi[1]);
+    a[3] = pack2<Elem>(hi[2], hi[3]);
+  }
 
   static __device__ __forceinline__ int a_row(int lane, int j) { return (lane >> 2) + (j & 1) * 8; }
   static __device__ __forceinline__ int a_col(int lane, int j) { return (lane & 3) * 2 + (j >> 1) * 8; }

@@ -17,7 +17,9 @@ namespace kern {
   template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G>(const BackwardParams,     \
                                                                    const float*, float*);    \
   template __global__ void flash_bwd_dq_kernel<Atom, Elem, D, G>(const BackwardParams,       \
-                                                                 const float*);
+                                                                 const float*);              \
+  template __global__ void flash_bwd_dq_convert_kernel<Atom, Elem, D, G>(const BackwardParams, \
+                                                                         const float*);
 #define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)  \
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, false) \
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, true)
@@ -27,13 +29,11 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_AMPERE_BF16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Bf16, D)
 
 template __global__ void flash_bwd_dsum_kernel<Fp16>(const BackwardParams, float*);
-template __global__ void flash_bwd_dq_convert_kernel<Fp16>(const BackwardParams, const float*);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_VOLTA_FP16)
 
 // The launcher picks the Ampere atom (and allows bf16) only on sm_80 and newer.
 #if __CUDA_ARCH__ >= 800
 template __global__ void flash_bwd_dsum_kernel<Bf16>(const BackwardParams, float*);
-template __global__ void flash_bwd_dq_convert_kernel<Bf16>(const BackwardParams, const float*);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_BF16)
 #endif

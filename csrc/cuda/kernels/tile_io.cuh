@@ -39,6 +39,55 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
   }
 }
 
+// load_tile without the trip through registers: 16-byte cp.async copies (rows or columns past the
+// valid range are zero-filled by the copy itself), completed by cp_async_wait_all(). sm_80+ only.
+template <int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const uint16_t* gmem,
+                                                int64_t row_stride, int rows_valid,
+                                                int cols_valid, int tid) {
+  constexpr int kVecPerRow = kCols / 8;
+  constexpr int kVecs = kRows * kVecPerRow;
+#pragma unroll
+  for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
+    const int idx = it * kThreads + tid;
+    if (kVecs % kThreads != 0 && idx >= kVecs) break;
+    const int r = idx / kVecPerRow;
+    const int c = (idx % kVecPerRow) * 8;
+    const bool valid = r < rows_valid && c < cols_valid;
+    const uint16_t* src = valid ? gmem + r * row_stride + c : gmem;
+#if FLASHV100_SM80
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem + r * ld + c));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0));
+#else
+    (void)src;
+    __trap();
+#endif
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if FLASHV100_SM80
+  asm volatile("cp.async.wait_all;\n" ::);
+#endif
+}
+
+// A tile for the atom's kernels: by cp.async where the GPU has it (landing after
+// cp_async_wait_all), else by plain loads (kTranspose: stored transposed, plain loads only).
+template <class Atom, int kRows, int kCols, int kThreads, bool kTranspose = false>
+__device__ __forceinline__ void stage_tile(uint16_t* smem, int ld, const uint16_t* gmem,
+                                           int64_t row_stride, int rows_valid, int cols_valid,
+                                           int tid) {
+  if constexpr (Atom::kAsyncCopy && !kTranspose) {
+    load_tile_async<kRows, kCols, kThreads>(smem, ld, gmem, row_stride, rows_valid, cols_valid,
+                                            tid);
+  } else {
+    load_tile<kRows, kCols, kThreads, kTranspose>(smem, ld, gmem, row_stride, rows_valid,
+                                                  cols_valid, tid);
+  }
+}
+
 // Loads kRows floats of a per-row vector into shared memory (`fill` beyond n_valid).
 template <int kRows, int kThreads>
 __device__ __forceinline__ void load_row_vector(float* smem, const float* gmem, int n_valid,

@@ -90,15 +90,37 @@ struct WarpAccum {
   }
 };
 
+// acc += A(:, k0:k0+kK) * B(k0:k0+kK, :) for A fragments already in registers: B fragments of
+// the warp tile's columns, skipping column fragments at or beyond n_extent (head-dim padding).
+template <class Atom, class Elem, class Acc, class BOp>
+__device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::kFragM][Atom::kARegs],
+                                           const BOp& b, int k0, int n_extent, int lane) {
+#pragma unroll
+  for (int fn = 0; fn < Acc::kFragN; ++fn) {
+    if (fn * Atom::kN >= n_extent) continue;
+    uint32_t bf[Atom::kBRegs];
+    if constexpr (Atom::kLdmatrix) {
+      Atom::load_b(b, fn * Atom::kN, k0, lane, bf);
+    } else {
+#pragma unroll
+      for (int j = 0; j < Atom::kBRegs; ++j)
+        bf[j] = b.pair(fn * Atom::kN + Atom::b_col(lane, j), k0 + Atom::b_k(lane, j));
+    }
+#pragma unroll
+    for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::template mma<Elem>(acc.c[fm][fn], af[fm], bf);
+  }
+}
+
 // acc += A * B with A(m, k) over the warp tile's rows and B addressed as (n, k) over its columns.
 // Fragments come pair by pair through the atom's coordinate map, or from the atom's own loader.
-// k_extent (a multiple of Atom::kK) bounds the reduction; column fragments at or beyond n_extent
-// are skipped (they only cover head-dim padding).
-template <class Atom, class Elem, class Acc, class AOp, class BOp>
+// k_extent (a multiple of Atom::kK, at most kMaxK) bounds the reduction; the loop is unrolled
+// over kMaxK so that fragment loads of the next step overlap the MMAs of this one.
+template <class Atom, class Elem, int kMaxK, class Acc, class AOp, class BOp>
 __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
                                           int n_extent, int lane) {
-#pragma unroll 1
-  for (int k0 = 0; k0 < k_extent; k0 += Atom::kK) {
+#pragma unroll
+  for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) {
+    if (k0 >= k_extent) break;
     uint32_t af[Acc::kFragM][Atom::kARegs];
 #pragma unroll
     for (int fm = 0; fm < Acc::kFragM; ++fm) {
@@ -110,20 +132,24 @@ __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, 
           af[fm][j] = a.pair(fm * Atom::kM + Atom::a_row(lane, j), k0 + Atom::a_col(lane, j));
       }
     }
+    mma_k_step<Atom, Elem>(acc, af, b, k0, n_extent, lane);
+  }
+}
+
+// acc += A * B where A is another accumulator of the same warp (same rows, its columns are the
+// reduction), converted to Elem in registers; only for atoms with kAccumIsA (FA2's P in registers).
+template <class Atom, class Elem, class Acc, class AAcc, class BOp>
+__device__ __forceinline__ void warp_gemm_accum_a(Acc& acc, const AAcc& a, const BOp& b,
+                                                  int n_extent, int lane) {
+  static_assert(Atom::kAccumIsA && AAcc::kFragM == Acc::kFragM && Atom::kK == 2 * Atom::kN,
+                "A-from-accumulator needs two accumulator tiles per k step");
 #pragma unroll
-    for (int fn = 0; fn < Acc::kFragN; ++fn) {
-      if (fn * Atom::kN >= n_extent) continue;
-      uint32_t bf[Atom::kBRegs];
-      if constexpr (Atom::kLdmatrix) {
-        Atom::load_b(b, fn * Atom::kN, k0, lane, bf);
-      } else {
+  for (int kk = 0; kk < AAcc::kFragN / 2; ++kk) {
+    uint32_t af[Acc::kFragM][Atom::kARegs];
 #pragma unroll
-        for (int j = 0; j < Atom::kBRegs; ++j)
-          bf[j] = b.pair(fn * Atom::kN + Atom::b_col(lane, j), k0 + Atom::b_k(lane, j));
-      }
-#pragma unroll
-      for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::template mma<Elem>(acc.c[fm][fn], af[fm], bf);
-    }
+    for (int fm = 0; fm < Acc::kFragM; ++fm)
+      Atom::template a_from_accum<Elem>(a.c[fm][2 * kk], a.c[fm][2 * kk + 1], af[fm]);
+    mma_k_step<Atom, Elem>(acc, af, b, kk * Atom::kK, n_extent, lane);
   }
 }
 
