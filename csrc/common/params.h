@@ -29,6 +29,12 @@ struct MaskParams {
   int64_t head_stride = 0;
   int64_t row_stride = 0;
   int64_t col_stride = 0;
+  // For masks broadcast over query rows (row_stride 0), the launcher's pre-pass
+  // (kernels/mask_key_range.cuh) writes one code per (batch, query head), index b * Hq + h:
+  // end >= 0 when the head keeps exactly keys [0, end) with bias 0 (the mask adds nothing but that
+  // limit), -end - 1 when keys past `end` are all dropped but some before it are dropped or biased.
+  // nullptr: no such facts (every key may be visible, every entry is read).
+  const int32_t* key_range = nullptr;
 };
 
 // Dropout randomness: Philox4x32-10 keyed by seed, counter offset by `offset` (see philox.h).

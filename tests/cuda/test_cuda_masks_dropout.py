@@ -124,6 +124,66 @@ def test_mask_with_gqa_and_strided_layout(atom):
     check_against_reference(q, k, v, make_mask("padding", "bool", gen), causal_mode=1)
 
 
+def prefix_padding_mask(lengths, heads, kind):
+    """[B, heads, 1, S] mask keeping the first lengths[b][h] keys: the shape the kernels turn
+    into a key range (no per-element reads, tiles past the range skipped)."""
+    keep = torch.arange(S, device="cuda") < torch.tensor(lengths, device="cuda")[..., None]
+    keep = keep.reshape(len(lengths), heads, 1, S)
+    if kind == "bool":
+        return keep
+    return torch.zeros(keep.shape, device="cuda", dtype=torch.float16).masked_fill(~keep, -math.inf)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal_mode", [0, 2])
+@pytest.mark.parametrize("kv_heads", [H, 1])
+def test_prefix_padding_mask(atom, kind, causal_mode, kv_heads):
+    # Lengths: all keys, none (hidden rows -> 0), one, and one ending inside a key tile.
+    q, k, v = make_qkv(4, H, kv_heads, L, S, E, torch.float16, "cuda")
+    mask = prefix_padding_mask([[S], [0], [1], [40]], 1, kind)
+    out = check_against_reference(q, k, v, mask, causal_mode=causal_mode)[0]
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_prefix_padding_mask_per_head_with_dropout_and_deterministic_dq(atom):
+    lengths = [[S, 17, 64, 3], [80, 0, 33, S]]
+    q, k, v = make_qkv(2, H, H // 2, L, S, E, torch.float16, "cuda")
+    mask = prefix_padding_mask(lengths, H, "bool")
+    check_against_reference(q, k, v, mask, dropout_p=0.2, causal_mode=1)
+    dout = torch.randn_like(q)
+    out, lse, rng = ops._attention_forward(q, k, v, mask, 0.0, 0, SCALE)
+    fast = ops._attention_backward(dout, q, k, v, mask, out, lse, rng, 0.0, 0, SCALE, False, False)
+    exact = ops._attention_backward(dout, q, k, v, mask, out, lse, rng, 0.0, 0, SCALE, False, True)
+    for a, b in zip(fast[:3], exact[:3]):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-2)
+
+
+def test_padding_mask_with_holes_and_biases_is_read(atom):
+    """Row-broadcast masks that are not a plain prefix: every entry must still be applied."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = make_qkv(B, H, H, L, S, E, torch.float16, "cuda")
+    keep = prefix_padding_mask([[70], [S]], 1, "bool")
+    holes = keep & (torch.rand(keep.shape, generator=gen, device="cuda") < 0.7)
+    holes[..., 0] = True
+    check_against_reference(q, k, v, holes)
+    bias = torch.randn(keep.shape, generator=gen, device="cuda").masked_fill(~keep, -math.inf)
+    check_against_reference(q, k, v, bias, mask_grad=True)
+
+
+@pytest.mark.parametrize("scale", [-0.125, 0.0])
+def test_non_positive_scale(atom, scale):
+    q, k, v = make_qkv(B, H, H, L, S, E, torch.float16, "cuda")
+    dout = torch.randn_like(q)
+    out, lse, rng = ops._attention_forward(q, k, v, None, 0.0, 1, scale)
+    grads = ops._attention_backward(dout, q, k, v, None, out, lse, rng, 0.0, 1, scale, False, False)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*leaves, scale=scale, causal_mode=1)
+    ref.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    for g, leaf in zip(grads[:3], leaves):
+        torch.testing.assert_close(g.double(), leaf.grad, atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("causal_mode", [0, 2])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dropout_matches_reference_with_same_keep_mask(atom, causal_mode, head_dim):

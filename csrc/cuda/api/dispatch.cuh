@@ -46,9 +46,10 @@ void dispatch(MmaAtom atom, at::ScalarType dtype, int64_t head_dim, bool general
   }
 }
 
-// Masks and dropout need the general kernel variant.
+// Masks and dropout need the general kernel variant, and so does a scale that is not positive
+// (the plain variant takes row maxima of unscaled scores).
 inline bool is_general(const ForwardParams& p) {
-  return p.mask.kind != MaskKind::kNone || p.dropout.p > 0.0f;
+  return p.mask.kind != MaskKind::kNone || p.dropout.p > 0.0f || !(p.scale > 0.0);
 }
 
 // Opts a kernel into > 48 KB of dynamic shared memory (once per kernel and device is enough, but

@@ -19,8 +19,13 @@ const char* fused_unsupported_reason(MmaAtom atom, const at::Tensor& query, cons
                                      std::initializer_list<const at::Tensor*> tensors);
 
 // Fused kernels on the current stream of the tensors' device (the caller holds a device guard).
-void run_fused_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
-void run_fused_backward(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p);
+void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p);
+void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p);
+
+// Runs the mask pre-pass for masks broadcast over query rows and points p.mask.key_range at its
+// result (no-op otherwise). The returned buffer must outlive the launches that read it; the
+// caching allocator's stream order keeps it valid once they are enqueued.
+at::Tensor attach_mask_key_ranges(ForwardParams& p);
 
 // Reserves Philox randomness from PyTorch's CUDA generator of `like`'s device for one call:
 // fills `dropout` (seed/offset values, or device pointers under CUDA graph capture) and returns

@@ -9,8 +9,9 @@
 namespace flashv100 {
 namespace cuda {
 
-void run_fused_backward(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p) {
+void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor key_range = attach_mask_key_ranges(p.fwd);
   const AttentionShape& s = p.fwd.shape;
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
                                                                  c10::cuda::current_device());

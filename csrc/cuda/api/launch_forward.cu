@@ -8,8 +8,9 @@
 namespace flashv100 {
 namespace cuda {
 
-void run_fused_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor key_range = attach_mask_key_ranges(p);
   dispatch(atom, dtype, p.shape.head_dim, is_general(p),
            [&](auto atom_tag, auto elem_tag, auto dim, auto general) {
     constexpr int D = decltype(dim)::value;

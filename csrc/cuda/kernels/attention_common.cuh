@@ -45,16 +45,27 @@ struct Visibility {
   __device__ __forceinline__ bool tile_needs_mask(int row0, int key0, int key_count) const {
     return key0 + key_count > len_kv || (causal && key0 + key_count - 1 > row0 + shift);
   }
+  // The same problem with keys at and past `end` hidden (the causal alignment keeps the full
+  // key length): what a mask that drops every key past `end` amounts to.
+  __device__ __forceinline__ Visibility keys_before(int end) const {
+    Visibility v = *this;
+    v.len_kv = min(len_kv, end);
+    return v;
+  }
 };
 
 // attn_mask of one (batch, head) as an additive bias in natural-log units: bool masks read as 0
 // (keep) or -inf (drop). Broadcast dims have stride 0; any float dtype is read and widened here.
+// `reads` is false when the mask amounts to `key_end` alone (MaskParams::key_range), so that no
+// entry needs reading.
 struct HeadMask {
   const char* base = nullptr;  // nullptr: no mask
   ScalarKind dtype = ScalarKind::kBool;
   int64_t row_stride = 0, col_stride = 0;
+  bool reads = false;
+  int key_end = 0x7fffffff;  // every key at and past it is dropped
 
-  __device__ __forceinline__ HeadMask(const MaskParams& m, int64_t b, int64_t h) {
+  __device__ __forceinline__ HeadMask(const MaskParams& m, int64_t b, int64_t h, int64_t heads_q) {
     if (m.kind == MaskKind::kNone) return;
     const int64_t elem = m.dtype == ScalarKind::kDouble  ? 8
                          : m.dtype == ScalarKind::kFloat ? 4
@@ -64,9 +75,16 @@ struct HeadMask {
     dtype = m.dtype;
     row_stride = m.row_stride;
     col_stride = m.col_stride;
+    reads = true;
+    if (m.key_range != nullptr) {
+      const int code = m.key_range[b * heads_q + h];
+      reads = code < 0;
+      key_end = reads ? -code - 1 : code;
+    }
   }
   __device__ __forceinline__ bool present() const { return base != nullptr; }
 
+  // The bias of query row i, key j (in range).
   __device__ __forceinline__ float bias(int i, int j) const {
     const int64_t idx = i * row_stride + j * col_stride;
     if (dtype == ScalarKind::kBool) return reinterpret_cast<const uint8_t*>(base)[idx] ? 0.0f : neg_inf();
@@ -74,6 +92,18 @@ struct HeadMask {
     if (dtype == ScalarKind::kBFloat16) return Bf16::to_float(reinterpret_cast<const uint16_t*>(base)[idx]);
     if (dtype == ScalarKind::kFloat) return reinterpret_cast<const float*>(base)[idx];
     return static_cast<float>(reinterpret_cast<const double*>(base)[idx]);
+  }
+
+  // Adds the bias to the scores of a warp tile whose (r, c) is query row0 + r, key col0 + c.
+  // Hidden scores (-inf: past the keys or causal) and rows past len_q are left alone, their
+  // entries never read.
+  template <class Acc>
+  __device__ __forceinline__ void add_bias(Acc& acc, int lane, int row0, int col0,
+                                           int len_q) const {
+    if (!reads) return;
+    acc.for_each(lane, [&](int, int, int r, int c, float& x) {
+      if (x != neg_inf() && row0 + r < len_q) x += bias(row0 + r, col0 + c);
+    });
   }
 };
 
@@ -94,13 +124,42 @@ struct Dropout {
     threshold = dropout_threshold(d.p);
     inv_keep = 1.0f / (1.0f - d.p);
   }
-  // Multipliers (0 or 1 / (1 - p)) of elements (row, col) and (row, col + 1); col is even, so both
-  // come from one Philox call.
-  __device__ __forceinline__ void factors(int64_t batch_head, int row, int col, float& f0,
-                                          float& f1) const {
-    const Philox4 bits = dropout_bits(seed, offset, batch_head, row, col);
-    f0 = philox_word(bits, col & 3) >= threshold ? inv_keep : 0.0f;
-    f1 = philox_word(bits, (col & 3) + 1) >= threshold ? inv_keep : 0.0f;
+  // f(fm, fn, i, factor_i, factor_i+1) with the multipliers (0 or 1 / (1 - p)) of each horizontal
+  // pair (i, i + 1) of a warp tile whose (r, c) is query row0 + r, key col0 + c. One Philox call
+  // covers 4 columns of a row; a lane holds 2 of them in each of two rows (pairs i and i + 2), and
+  // the lane that differs in Atom::kColPairLaneMask holds the other 2: each computes one row and
+  // they swap results, so every call is used whole.
+  template <class Atom, class Acc, class F>
+  __device__ __forceinline__ void for_each_factor_pair(const Acc&, int lane, int64_t batch_head,
+                                                       int row0, int col0, F&& f) const {
+    static_assert(Atom::kCRegs % 4 == 0, "pairs i and i + 2 must share columns");
+    const bool low = (lane & Atom::kColPairLaneMask) == 0;
+#pragma unroll
+    for (int fm = 0; fm < Acc::kFragM; ++fm)
+#pragma unroll
+      for (int fn = 0; fn < Acc::kFragN; ++fn)
+#pragma unroll
+        for (int i = 0; i < Atom::kCRegs; i += 4) {
+          const int row_a = row0 + Acc::row_of(lane, fm, Atom::row_slot(i));
+          const int row_b = row0 + Acc::row_of(lane, fm, Atom::row_slot(i + 2));
+          const int col = col0 + Acc::col_of(lane, fn, i);
+          const Philox4 mine = dropout_bits(seed, offset, batch_head, low ? row_a : row_b, col);
+          Philox4 theirs;
+          theirs.x = __shfl_xor_sync(0xffffffffu, mine.x, Atom::kColPairLaneMask);
+          theirs.y = __shfl_xor_sync(0xffffffffu, mine.y, Atom::kColPairLaneMask);
+          theirs.z = __shfl_xor_sync(0xffffffffu, mine.z, Atom::kColPairLaneMask);
+          theirs.w = __shfl_xor_sync(0xffffffffu, mine.w, Atom::kColPairLaneMask);
+          const int word = col & 3;
+          const Philox4& bits_a = low ? mine : theirs;
+          const Philox4& bits_b = low ? theirs : mine;
+          f(fm, fn, i, keep(bits_a, word), keep(bits_a, word + 1));
+          f(fm, fn, i + 2, keep(bits_b, word), keep(bits_b, word + 1));
+        }
+  }
+
+ private:
+  __device__ __forceinline__ float keep(const Philox4& bits, int word) const {
+    return philox_word(bits, word) >= threshold ? inv_keep : 0.0f;
   }
 };
 

@@ -33,12 +33,12 @@ struct FwdTile {
   static constexpr int kBlockM = kWide ? 128 : 64;
   // Keys per tile, the largest without register spills (scripts/nvrtc_gate.py). Volta: plain 64
   // up to head dim 128, else 16; general 64 / 32 / 16 / 16 for head dims 32 / 64 / 128 / 256.
-  // P in registers: plain 64 / 64 / 32 / 16, general 32 / 32 / 16 / 16.
+  // P in registers: plain 64 / 64 / 32 / 16, general 64 / 32 / 16 / 16.
   static constexpr int kBlockN =
-      Atom::kAccumIsA ? (kHeadDim >= 256 || (kGeneral && kHeadDim == 128) ? 16
-                         : kGeneral || kHeadDim == 128                  ? 32
-                                                                        : 64)
-      : !kGeneral ? (kHeadDim <= 128 ? 64 : 16)
+      Atom::kAccumIsA ? (kHeadDim >= 256 || (kGeneral && kHeadDim == 128)   ? 16
+                         : (kGeneral && kHeadDim == 64) || kHeadDim == 128 ? 32
+                                                                           : 64)
+      : !kGeneral ? (kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16)
                   : (kHeadDim <= 32 ? 64 : kHeadDim == 64 ? 32 : 16);
 };
 
@@ -77,7 +77,8 @@ struct BwdTileShape {
 };
 template <class Atom, int kHeadDim, bool kGeneral> struct BwdTile;
 // Volta: 16-row warp tiles (registers), smaller where the general variant would spill.
-template <bool G> struct BwdTile<VoltaAtom, 32, G> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
+template <> struct BwdTile<VoltaAtom, 32, false> : BwdTileShape<64, 64, 8, 4, 2, 2, 2, 32> {};
+template <> struct BwdTile<VoltaAtom, 32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 64, false> : BwdTileShape<64, 64, 4, 4, 1, 1, 1, 64> {};
 template <> struct BwdTile<VoltaAtom, 64, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 64> {};
 template <bool G> struct BwdTile<VoltaAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 128> {};

@@ -67,13 +67,17 @@ __device__ __forceinline__ void load_key_side(const BwdSmem<Cfg>& sm, const Back
 struct BwdHead {
   int64_t batch_head;  // b * Hq + h: dropout counter and dmask rows
   HeadMask mask;
-  float* dmask;  // this head's [Lq, Lkv] rows of the fp32 mask gradient, or nullptr
+  Visibility vis;  // keys past the mask's key_end hidden
+  float* dmask;    // this head's [Lq, Lkv] rows of the fp32 mask gradient, or nullptr
+  int64_t dmask_ld;
 
   __device__ __forceinline__ BwdHead(const BackwardParams& p, int64_t b, int64_t h)
       : batch_head(b * p.fwd.shape.heads_q + h),
-        mask(p.fwd.mask, b, h),
+        mask(p.fwd.mask, b, h, p.fwd.shape.heads_q),
+        vis(Visibility(p.fwd).keys_before(mask.key_end)),
         dmask(p.dmask != nullptr ? p.dmask + batch_head * p.fwd.shape.len_q * p.fwd.shape.len_kv
-                                 : nullptr) {}
+                                 : nullptr),
+        dmask_ld(p.fwd.shape.len_kv) {}
 };
 
 // Recomputes P = exp(S * scale + bias - lse) of the (m0, n0) tile and dS = P * (dP - D) with
@@ -81,53 +85,70 @@ struct BwdHead {
 // memory for the products that reduce over rows or keys. kWriteDMask: also write dS, the
 // gradient of an additive mask, to head.dmask (each tile is visited once by the dK/dV kernel).
 template <class Atom, class Elem, class Cfg, bool kStoreP, bool kWriteDMask>
-__device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const Visibility& vis,
-                                             const BwdHead& head, const Dropout& dropout,
-                                             float scale, int k_extent, int m0, int n0, int warp,
-                                             int lane) {
+__device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHead& head,
+                                             const Dropout& dropout, float scale, int k_extent,
+                                             int m0, int n0, int warp, int lane) {
   using Acc = WarpAccum<Atom, Cfg::kSRows, Cfg::kSCols>;
   if (warp >= Cfg::kSWarps) return;
+  const Visibility& vis = head.vis;
   const int r0 = (warp / Cfg::kWarpsNS) * Cfg::kSRows;
   const int c0 = (warp % Cfg::kWarpsNS) * Cfg::kSCols;
   Acc s, dp;
   s.zero();
   dp.zero();
   warp_gemm<Atom, Elem, Cfg::kHeadDim>(s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE},
-                        KMajor{sm.k + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent, Cfg::kSCols, lane);
+                                       KMajor{sm.k + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
+                                       Cfg::kSCols, lane);
   warp_gemm<Atom, Elem, Cfg::kHeadDim>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
-                        KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent, Cfg::kSCols, lane);
-  const bool needs_mask = vis.tile_needs_mask(m0 + r0, n0 + c0, Cfg::kSCols);
+                                       KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
+                                       Cfg::kSCols, lane);
+  // Per-row lse (in the exponent's units) and D of the rows this lane holds.
+  const float log2_unit = Cfg::kGeneral ? kLog2e : scale * kLog2e;
+  float lse2[Acc::kFragM][Atom::kRowSlots], dsum[Acc::kFragM][Atom::kRowSlots];
 #pragma unroll
   for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
-    for (int fn = 0; fn < Acc::kFragN; ++fn)
-#pragma unroll
-      for (int i = 0; i < Atom::kCRegs; i += 2) {
-        const int r = r0 + Acc::row_of(lane, fm, Atom::row_slot(i));
-        const int i_q = m0 + r, j0 = n0 + c0 + Acc::col_of(lane, fn, i);
-        float factor[2] = {1.0f, 1.0f};
-        if (Cfg::kGeneral && dropout.enabled)
-          dropout.factors(head.batch_head, i_q, j0, factor[0], factor[1]);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = j0 + e;
-          float score = neg_inf();
-          if (!needs_mask || vis.visible(i_q, j)) {
-            score = s.c[fm][fn][i + e] * scale;
-            if constexpr (Cfg::kGeneral)
-              if (head.mask.present() && i_q < vis.len_q) score += head.mask.bias(i_q, j);
-          }
-          // Fully hidden entries (incl. whole rows, lse = -inf) have probability exactly 0.
-          const float prob =
-              score == neg_inf() ? 0.0f : fast_exp2((score - sm.lse[r]) * kLog2e);
-          const float ds = prob * (dp.c[fm][fn][i + e] * factor[e] - sm.dsum[r]);
-          s.c[fm][fn][i + e] = prob * factor[e];
-          dp.c[fm][fn][i + e] = ds;
-          if (Cfg::kGeneral && kWriteDMask && head.dmask != nullptr && i_q < vis.len_q &&
-              j < vis.len_kv)
-            head.dmask[static_cast<int64_t>(i_q) * vis.len_kv + j] = ds;
-        }
-      }
+    for (int sl = 0; sl < Atom::kRowSlots; ++sl) {
+      const int r = r0 + Acc::row_of(lane, fm, sl);
+      lse2[fm][sl] = sm.lse[r] * kLog2e;
+      dsum[fm][sl] = sm.dsum[r];
+    }
+  // Scores as in the forward (raw for the plain variant, scaled plus bias for the general one);
+  // hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get probability 0.
+  const bool needs_mask = vis.tile_needs_mask(m0 + r0, n0 + c0, Cfg::kSCols);
+  s.for_each(lane, [&](int, int, int r, int c, float& x) {
+    if (needs_mask && !vis.visible(m0 + r0 + r, n0 + c0 + c)) {
+      x = neg_inf();
+    } else if constexpr (Cfg::kGeneral) {
+      x *= scale;
+    }
+  });
+  if constexpr (Cfg::kGeneral) head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
+  s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
+    x = x == neg_inf() ? 0.0f : fast_exp2(fmaf(x, log2_unit, -lse2[fm][sl]));
+  });
+  if (Cfg::kGeneral && dropout.enabled) {
+    dropout.for_each_factor_pair<Atom>(
+        s, lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, float f0, float f1) {
+          const float d_row = dsum[fm][Atom::row_slot(i)];
+          dp.c[fm][fn][i] = s.c[fm][fn][i] * (dp.c[fm][fn][i] * f0 - d_row);
+          dp.c[fm][fn][i + 1] = s.c[fm][fn][i + 1] * (dp.c[fm][fn][i + 1] * f1 - d_row);
+          s.c[fm][fn][i] *= f0;
+          s.c[fm][fn][i + 1] *= f1;
+        });
+  } else {
+    dp.for_each_zip(s, [&](int fm, int sl, float& ds, float& prob) {
+      ds = prob * (ds - dsum[fm][sl]);
+    });
+  }
+  if constexpr (Cfg::kGeneral && kWriteDMask) {
+    if (head.dmask != nullptr) {
+      dp.for_each(lane, [&](int, int, int r, int c, float& ds) {
+        const int i = m0 + r0 + r, j = n0 + c0 + c;
+        if (i < vis.len_q && j < vis.len_kv) head.dmask[i * head.dmask_ld + j] = ds;
+      });
+    }
+  }
   if constexpr (kStoreP) store_accum_smem<Elem>(s, sm.p, Cfg::kLdN, r0, c0, lane);
   store_accum_smem<Elem>(dp, sm.ds, Cfg::kLdN, r0, c0, lane);
 }
@@ -231,15 +252,24 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
   const int steps = tiles_per_head * static_cast<int>(group);
   const auto head_of = [&](int step) { return hk * group + step / tiles_per_head; };
   const auto row_of = [&](int step) { return row_begin + (step % tiles_per_head) * kBlockM; };
-  if (steps > 0) load_query_side<Atom>(sm, p, dsum, b, head_of(0), row_of(0), tid);
-  for (int step = 0; step < steps; ++step) {
+  // Heads whose padding mask drops every key of this tile are skipped whole.
+  const auto first_active = [&](int step) {
+    while (step < steps &&
+           n0 >= HeadMask(f.mask, b, head_of(step), f.shape.heads_q).key_end)
+      step = (step / tiles_per_head + 1) * tiles_per_head;
+    return step;
+  };
+  int step = first_active(0);
+  if (step < steps) load_query_side<Atom>(sm, p, dsum, b, head_of(step), row_of(step), tid);
+  for (int next; step < steps; step = next) {
+    next = first_active(step + 1);
     const int64_t h = head_of(step);
     const int m0 = row_of(step);
     const BwdHead head(p, b, h);
     cp_async_wait_all();
     __syncthreads();  // this step's Q, dO, lse, D landed; the last step's dS is fully consumed
-    compute_p_ds<Atom, Elem, Cfg, true, true>(sm, vis, head, dropout, scale, k_extent, m0, n0,
-                                              warp, lane);
+    compute_p_ds<Atom, Elem, Cfg, true, true>(sm, head, dropout, scale, k_extent, m0, n0, warp,
+                                              lane);
     __syncthreads();
     // dV += P^T dO and dK += dS^T Q: reductions over the tile's query rows.
     warp_gemm<Atom, Elem, kBlockM>(dv, MMajor{sm.p + kv_r0, Cfg::kLdN},
@@ -248,8 +278,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
                                    MMajor{sm.q + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
     // The next step's query side loads while dQ = dS K is computed (it reads only dS and K).
     __syncthreads();
-    if (step + 1 < steps)
-      load_query_side<Atom>(sm, p, dsum, b, head_of(step + 1), row_of(step + 1), tid);
+    if (next < steps) load_query_side<Atom>(sm, p, dsum, b, head_of(next), row_of(next), tid);
     if (dq_accum != nullptr) {
       for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
         const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
@@ -286,7 +315,6 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
   const BwdSmem<Cfg> sm(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const ForwardParams& f = p.fwd;
-  const Visibility vis(f);
   const int d = static_cast<int>(f.shape.head_dim);
   const int k_extent = round_up(d, Atom::kK), n_extent = round_up(d, Atom::kN);
   const float scale = static_cast<float>(f.scale);
@@ -303,21 +331,21 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
   const int q_c0 = (warp % Cfg::kWarpsNQ) * Cfg::kQColsFull;
   QAcc dq;
   dq.zero();
-  const int key_end = vis.key_end(m0 + kBlockM);
+  const int key_end = head.vis.key_end(m0 + kBlockM);
   for (int n0 = 0; n0 < key_end; n0 += kBlockN) {
     __syncthreads();  // the previous K/V/dS tile is fully consumed
     load_key_side<Atom>(sm, p, b, hk, n0, tid);
     cp_async_wait_all();
     __syncthreads();
-    compute_p_ds<Atom, Elem, Cfg, false, false>(sm, vis, head, dropout, scale, k_extent, m0, n0,
-                                                warp, lane);
+    compute_p_ds<Atom, Elem, Cfg, false, false>(sm, head, dropout, scale, k_extent, m0, n0, warp,
+                                                lane);
     __syncthreads();
     warp_gemm<Atom, Elem, kBlockN>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
                                    MMajor{sm.k + q_c0, Cfg::kLdE}, kBlockN, n_extent - q_c0, lane);
   }
   cp_async_wait_all();  // Q and dO when no key is visible
   store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, m0 + q_r0) + q_c0,
-                           p.dq_strides.row, vis.len_q - m0 - q_r0, d - q_c0, lane,
+                           p.dq_strides.row, head.vis.len_q - m0 - q_r0, d - q_c0, lane,
                            [&](int, int) { return scale; });
 }
 

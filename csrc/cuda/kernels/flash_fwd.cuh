@@ -37,7 +37,6 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const AttentionShape& shape = p.shape;
-  const Visibility vis(p);
   const int d = static_cast<int>(shape.head_dim);
   const int m0 = blockIdx.x * kBlockM;
   const int warp_row0 = warp * kWarpRows;
@@ -45,7 +44,9 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
   const int64_t hk = kv_head_of(h, shape.heads_q, shape.heads_kv);
   const uint16_t* k_head = head_ptr(p.k, p.k_strides, b, hk, 0);
   const uint16_t* v_head = head_ptr(p.v, p.v_strides, b, hk, 0);
-  const HeadMask mask(p.mask, b, h);
+  const HeadMask mask(p.mask, b, h, shape.heads_q);
+  // Keys a padding mask drops are never loaded or multiplied.
+  const Visibility vis = Visibility(p).keys_before(mask.key_end);
   const Dropout dropout(p.dropout);
 
   const auto stage_k = [&](int n0) {
@@ -66,6 +67,9 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
     for (int s = 0; s < kSlots; ++s) row_max[fm][s] = neg_inf(), row_sum[fm][s] = 0.0f;
 
   const float scale = static_cast<float>(p.scale);
+  // Scores -> base-2 exponent, and -> natural-log units for lse.
+  const float log2_unit = kGeneral ? kLog2e : scale * kLog2e;
+  const float ln_unit = kGeneral ? 1.0f : scale;
   const int k_extent = round_up(d, Atom::kK);
   const int n_extent = round_up(d, Atom::kN);
   const KMajor q_op{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
@@ -92,18 +96,18 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
     s.zero();
     warp_gemm<Atom, Elem, kHeadDim>(s, q_op, k_op, k_extent, kBlockN, lane);
 
-    // Scaled scores plus mask bias; invisible keys -> -inf.
+    // Scores in the units the exponent takes them: raw for the plain variant (the scale is
+    // folded into one FMA with the running max), scaled plus mask bias (natural-log units, so
+    // that finfo.min biases cannot overflow) for the general one. Invisible keys: -inf.
     const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, n0, kBlockN);
     s.for_each(lane, [&](int, int, int r, int c, float& x) {
-      const int i = m0 + warp_row0 + r, j = n0 + c;
-      if (needs_mask && !vis.visible(i, j)) {
+      if (needs_mask && !vis.visible(m0 + warp_row0 + r, n0 + c)) {
         x = neg_inf();
-      } else {
+      } else if constexpr (kGeneral) {
         x *= scale;
-        if constexpr (kGeneral)
-          if (mask.present() && i < vis.len_q) x += mask.bias(i, j);
       }
     });
+    if constexpr (kGeneral) mask.add_bias(s, lane, m0 + warp_row0, n0, vis.len_q);
 
     // Online softmax: new running max per row, rescale what was accumulated so far.
     float tile_max[kFragM][kSlots];
@@ -123,22 +127,25 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
         // A row that has seen no visible key yet keeps max -inf; exponentiate against 0 so that
         // exp(-inf - base) stays 0 instead of NaN.
         base[fm][sl] = m_new == neg_inf() ? 0.0f : m_new;
-        alpha[fm][sl] = fast_exp2((row_max[fm][sl] - base[fm][sl]) * kLog2e);
+        alpha[fm][sl] = fast_exp2((row_max[fm][sl] - base[fm][sl]) * log2_unit);
         row_max[fm][sl] = m_new;
         row_sum[fm][sl] *= alpha[fm][sl];
       }
     s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
-      x = fast_exp2((x - base[fm][sl]) * kLog2e);
+      if constexpr (kGeneral) {
+        x = fast_exp2((x - base[fm][sl]) * kLog2e);
+      } else {
+        x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl] * log2_unit));
+      }
       row_sum[fm][sl] += x;
     });
     o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
     if (kGeneral && dropout.enabled) {
-      s.for_each_pair(lane, [&](int, int, int r, int c, float& x0, float& x1) {
-        float f0, f1;
-        dropout.factors(blockIdx.y, m0 + warp_row0 + r, n0 + c, f0, f1);
-        x0 *= f0;
-        x1 *= f1;
-      });
+      dropout.for_each_factor_pair<Atom>(s, lane, blockIdx.y, m0 + warp_row0, n0,
+                                         [&](int fm, int fn, int i, float f0, float f1) {
+                                           s.c[fm][fn][i] *= f0;
+                                           s.c[fm][fn][i + 1] *= f1;
+                                         });
     }
 
     cp_async_wait_all();
@@ -167,7 +174,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
       const int r = OAcc::row_of(lane, fm, sl);
       if (is_row_leader<Atom>(lane) && r < rows_valid) {
         p.lse[blockIdx.y * shape.len_q + m0 + warp_row0 + r] =
-            l > 0.0f ? row_max[fm][sl] + logf(l) : neg_inf();
+            l > 0.0f ? row_max[fm][sl] * ln_unit + logf(l) : neg_inf();
       }
     }
   store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, m0 + warp_row0),

@@ -7,8 +7,10 @@
 // kLdmatrix atoms also load whole fragments from a shared-memory operand (warp_tile.cuh's
 // SmemOperand: at(m, k) and kKContiguous) themselves.
 // Accumulator element i sits at (c_row, c_col); c_col(i ^ 1) == c_col(i) ^ 1, so elements (2k, 2k+1)
-// are column neighbours. The rows a lane holds are indexed by a "row slot", and the lanes sharing
-// a row differ exactly in the bits of kRowLaneMask (used for row reductions via shuffles).
+// are column neighbours, and elements i and i + 2 (i % 4 == 0) share columns in the two row slots.
+// The rows a lane holds are indexed by a "row slot"; the lanes sharing a row differ exactly in the
+// bits of kRowLaneMask (row reductions via shuffles), and flipping kColPairLaneMask moves a lane's
+// columns by 2 within the same rows (dropout shares Philox calls across that pair).
 // Besides the instruction, an atom names what the GPUs that run it offer the tiles above:
 // kAccumIsA (an accumulator tile can be repacked as an A operand in registers), kAsyncCopy
 // (cp.async) and kMaxSmemBytes (dynamic shared memory per block on the smallest such GPU).
@@ -28,6 +30,7 @@ struct VoltaAtom {
   static constexpr int kARegs = 2, kBRegs = 2, kCRegs = 8;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b01010;  // lanes of a row differ in bits 1 and 3
+  static constexpr int kColPairLaneMask = 0b00010;  // flips columns by 2, same rows
   // The m8n8k4 accumulator and A layouts differ, so P goes through shared memory.
   static constexpr bool kAccumIsA = false;
   static constexpr bool kAsyncCopy = false;
@@ -70,6 +73,7 @@ struct AmpereAtom {
   static constexpr int kARegs = 4, kBRegs = 2, kCRegs = 4;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b00011;  // lanes of a row differ in bits 0 and 1
+  static constexpr int kColPairLaneMask = 0b00001;  // flips columns by 2, same rows
   static constexpr bool kAccumIsA = true;
   static constexpr bool kAsyncCopy = true;        // sm_80+
   static constexpr int kMaxSmemBytes = 99 * 1024;  // sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)

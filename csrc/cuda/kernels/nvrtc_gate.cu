@@ -8,6 +8,7 @@
 #include "cuda/kernels/dropout_mask.cuh"
 #include "cuda/kernels/flash_bwd.cuh"
 #include "cuda/kernels/flash_fwd.cuh"
+#include "cuda/kernels/mask_key_range.cuh"
 
 namespace flashv100 {
 namespace kern {

@@ -64,7 +64,9 @@ __device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const ui
     __trap();
 #endif
   }
+#if FLASHV100_SM80
   asm volatile("cp.async.commit_group;\n" ::);
+#endif
 }
 
 __device__ __forceinline__ void cp_async_wait_all() {

@@ -75,6 +75,18 @@ struct WarpAccum {
         }
   }
 
+  // f(fm, slot, value&, other's value&) for every element, paired with the same element of
+  // another accumulator of the same shape.
+  template <class F>
+  __device__ __forceinline__ void for_each_zip(WarpAccum& other, F&& f) {
+#pragma unroll
+    for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+      for (int fn = 0; fn < kFragN; ++fn)
+#pragma unroll
+        for (int i = 0; i < Atom::kCRegs; ++i) f(fm, Atom::row_slot(i), c[fm][fn][i], other.c[fm][fn][i]);
+  }
+
   // f(fm, slot, row, col, value_at_col&, value_at_col_plus_1&) for each horizontal pair (2k, 2k+1).
   template <class F>
   __device__ __forceinline__ void for_each_pair(int lane, F&& f) {
@@ -113,12 +125,14 @@ __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::k
 
 // acc += A * B with A(m, k) over the warp tile's rows and B addressed as (n, k) over its columns.
 // Fragments come pair by pair through the atom's coordinate map, or from the atom's own loader.
-// k_extent (a multiple of Atom::kK, at most kMaxK) bounds the reduction; the loop is unrolled
-// over kMaxK so that fragment loads of the next step overlap the MMAs of this one.
+// k_extent (a multiple of Atom::kK, at most kMaxK) bounds the reduction. With ldmatrix the loop
+// is unrolled over kMaxK so that fragment loads of the next step overlap the MMAs of this one;
+// the pair-by-pair loads (Volta) need too many registers for that.
 template <class Atom, class Elem, int kMaxK, class Acc, class AOp, class BOp>
 __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
                                           int n_extent, int lane) {
-#pragma unroll
+  constexpr int kUnroll = Atom::kLdmatrix ? kMaxK / Atom::kK : 1;
+#pragma unroll kUnroll
   for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) {
     if (k0 >= k_extent) break;
     uint32_t af[Acc::kFragM][Atom::kARegs];
