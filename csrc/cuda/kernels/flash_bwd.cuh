@@ -102,15 +102,16 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   warp_gemm<Atom, Elem, Cfg::kHeadDim>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
                                        KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
                                        Cfg::kSCols, lane);
-  // Per-row lse (in the exponent's units) and D of the rows this lane holds.
-  const float log2_unit = Cfg::kGeneral ? kLog2e : scale * kLog2e;
-  float lse2[Acc::kFragM][Atom::kRowSlots], dsum[Acc::kFragM][Atom::kRowSlots];
+  // lse and D of the rows this lane holds; lse in base 2 for the plain variant (one FMA per
+  // score), in natural-log units for the general one (scores - lse first: finfo.min biases).
+  const float log2_unit = scale * kLog2e;
+  float lse[Acc::kFragM][Atom::kRowSlots], dsum[Acc::kFragM][Atom::kRowSlots];
 #pragma unroll
   for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
     for (int sl = 0; sl < Atom::kRowSlots; ++sl) {
       const int r = r0 + Acc::row_of(lane, fm, sl);
-      lse2[fm][sl] = sm.lse[r] * kLog2e;
+      lse[fm][sl] = Cfg::kGeneral ? sm.lse[r] : sm.lse[r] * kLog2e;
       dsum[fm][sl] = sm.dsum[r];
     }
   // Scores as in the forward (raw for the plain variant, scaled plus bias for the general one);
@@ -125,7 +126,13 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   });
   if constexpr (Cfg::kGeneral) head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
   s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
-    x = x == neg_inf() ? 0.0f : fast_exp2(fmaf(x, log2_unit, -lse2[fm][sl]));
+    if (x == neg_inf()) {
+      x = 0.0f;
+    } else if constexpr (Cfg::kGeneral) {
+      x = fast_exp2((x - lse[fm][sl]) * kLog2e);
+    } else {
+      x = fast_exp2(fmaf(x, log2_unit, -lse[fm][sl]));
+    }
   });
   if (Cfg::kGeneral && dropout.enabled) {
     dropout.for_each_factor_pair<Atom>(
