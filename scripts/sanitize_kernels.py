@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A few odd shapes through the fused forward and backward on both atoms (plain, and with a
-broadcast additive mask plus dropout): the workload that
+"""A few odd shapes through the fused forward and backward on both atoms (plain, with a
+broadcast additive mask plus dropout, and with a prefix padding mask): the workload that
 scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck). Exits non-zero on a
 non-finite result; the sanitizer reports memory errors and shared-memory races itself."""
 import math
@@ -31,12 +31,16 @@ def main() -> int:
                 scale = 1.0 / math.sqrt(d)
                 # plain; then a broadcast additive mask (with gradient) and dropout
                 mask = torch.randn(b, 1, 1, lk, device="cuda", generator=g)
-                for mask_, p in ((None, 0.0), (mask, 0.1)):
+                # a padding mask keeping a prefix: the key-range path (no per-element reads)
+                prefix = (torch.arange(lk, device="cuda") < (lk + 1) // 2).expand(b, 1, 1, lk)
+                for mask_, p in ((None, 0.0), (mask, 0.1), (prefix, 0.0)):
                     out, lse, rng = ops._attention_forward(q, k, v, mask_, p, causal, scale)
                     dout = torch.randn_like(out)
                     for deterministic in (False, True):
                         grads = ops._attention_backward(dout, q, k, v, mask_, out, lse, rng, p,
-                                                        causal, scale, mask_ is not None,
+                                                        causal, scale,
+                                                        mask_ is not None
+                                                        and mask_.is_floating_point(),
                                                         deterministic)
                         torch.cuda.synchronize()
                         if not all(torch.isfinite(t).all() for t in (out, *grads)):

@@ -14,7 +14,7 @@ at::Tensor attach_mask_key_ranges(ForwardParams& p) {
   const int64_t heads = p.shape.batch * p.shape.heads_q;
   at::Tensor key_range = at::empty(
       {heads}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
-  kern::mask_key_range_kernel<<<heads, kern::kMaskKeyRangeThreads, 0,
+  kern::flash_mask_key_range_kernel<<<heads, kern::kMaskKeyRangeThreads, 0,
                                 c10::cuda::getCurrentCUDAStream()>>>(p,
                                                                      key_range.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

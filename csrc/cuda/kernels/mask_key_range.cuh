@@ -12,7 +12,7 @@ namespace kern {
 constexpr int kMaskKeyRangeThreads = 256;
 
 __global__ void __launch_bounds__(kMaskKeyRangeThreads)
-    mask_key_range_kernel(const ForwardParams p, int32_t* key_range) {
+    flash_mask_key_range_kernel(const ForwardParams p, int32_t* key_range) {
   constexpr int kWarps = kMaskKeyRangeThreads / 32;
   __shared__ int warp_last_kept[kWarps], warp_first_other[kWarps];
   const int64_t b = blockIdx.x / p.shape.heads_q, h = blockIdx.x % p.shape.heads_q;
