@@ -177,13 +177,24 @@ def test_bf16_on_volta_atom_falls_back():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_second_device(atom):
+@pytest.mark.parametrize("with_mask", [False, True], ids=["plain", "padding_mask"])
+def test_second_device(atom, with_mask):
+    """Tensors on cuda:1 while cuda:0 is current: every launch and workspace (dQ accumulator,
+    D, mask key ranges) must follow the tensors, forward and backward."""
     q, k, v = make_qkv(1, 2, 2, 70, 70, 64, torch.float16, "cuda:1")
+    dout = torch.randn_like(q)
+    mask = (torch.arange(70, device="cuda:1") < 50).expand(1, 1, 1, 70) if with_mask else None
     with torch.cuda.device(0):
-        out, lse = fused(q, k, v, 1, grads=False)
-    assert out.device == q.device
-    ref = reference_attention(q.double(), k.double(), v.double(), is_causal=True)
+        out, lse, rng = ops._attention_forward(q, k, v, mask, 0.0, 1, 0.125)
+        dq, dk, dv, _ = ops._attention_backward(dout, q, k, v, mask, out, lse, rng, 0.0, 1, 0.125,
+                                                False, False)
+    assert {t.device for t in (out, dq, dk, dv)} == {q.device}
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*leaves, attn_mask=mask, scale=0.125, is_causal=True)
+    ref.backward(dout.double())
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=1e-2)
+    for got, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(got.double(), leaf.grad, atol=2e-2, rtol=1e-2)
 
 
 def test_opcheck_cuda_ops(atom):
