@@ -126,8 +126,9 @@ def collect_metadata(device: torch.device) -> Dict[str, Any]:
     device = torch.device(device)
     md: Dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        # FLASHV100_COMMIT names the commit where the checkout has no git metadata (a copied tree).
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("FLASHV100_COMMIT"),
+        # FLASHV100_COMMIT names the commit of a copied tree, whose git metadata (if any) may be
+        # stale; it wins over git.
+        "git_commit": os.environ.get("FLASHV100_COMMIT") or _git("rev-parse", "HEAD"),
         "git_dirty": None,
         "device": str(device),
         "torch_version": torch.__version__,
@@ -137,7 +138,8 @@ def collect_metadata(device: torch.device) -> Dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_num_threads": torch.get_num_threads(),
     }
-    st = _git("status", "--porcelain", "--untracked-files=no")
+    st = None if os.environ.get("FLASHV100_COMMIT") else _git("status", "--porcelain",
+                                                              "--untracked-files=no")
     md["git_dirty"] = None if st is None else bool(st)
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)

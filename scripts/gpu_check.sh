@@ -4,6 +4,7 @@
 #   -> compute-sanitizer memcheck + racecheck on odd shapes (both atoms) -> short benchmark.
 # Writes gpu_check.log, junit XML, summary.json and bench.json to $OUT (default ./gpu_results).
 # Exits non-zero if any step fails or if no GPU test ran (a silently skipped GPU suite is a failure).
+# FLASHV100_COMMIT names the commit in the benchmark metadata (for copied trees).
 # STEPS=build,gpu_tests,tests,sanitize,bench selects steps (default: all); STEP_TIMEOUT (seconds,
 # default 1800) bounds each step.
 set -uo pipefail

@@ -377,3 +377,11 @@ def test_refused_mask_or_dropout_is_unsupported_not_a_crash():
     text = report.markdown(doc)
     assert "sdpa-flash: unsupported: No available kernel" in text
     assert [r.get("status") for r in doc["overhead"] if r["impl"] == "sdpa-flash"] == ["unsupported", None]
+
+
+def test_commit_from_environment_wins_over_git(monkeypatch):
+    """A copied tree names its commit with FLASHV100_COMMIT: stale git metadata must not win."""
+    from benchmarks.harness import collect_metadata
+    monkeypatch.setenv("FLASHV100_COMMIT", "0123456789abcdef")
+    md = collect_metadata(torch.device("cpu"))
+    assert md["git_commit"] == "0123456789abcdef" and md["git_dirty"] is None

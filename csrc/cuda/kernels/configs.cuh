@@ -31,8 +31,8 @@ struct FwdTile {
   static constexpr bool kWide = Atom::kAccumIsA && kHeadDim <= 128;
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWide ? 128 : 64;
-  // Keys per tile, the largest without register spills (scripts/nvrtc_gate.py). Volta: plain 64
-  // up to head dim 128, else 16; general 64 / 32 / 16 / 16 for head dims 32 / 64 / 128 / 256.
+  // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
+  // (scripts/nvrtc_gate.py). Volta: plain 64 / 64 / 32 / 16, general 64 / 32 / 16 / 16.
   // P in registers: plain 64 / 64 / 32 / 16, general 64 / 32 / 16 / 16.
   static constexpr int kBlockN =
       Atom::kAccumIsA ? (kHeadDim >= 256 || (kGeneral && kHeadDim == 128)   ? 16
