@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Callable, ContextManager, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from torch_flash_v100.reference import CAUSAL_TOP_LEFT, causal_keep_mask
+from torch_flash_v100.reference import naive_attention
 
 __all__ = ["Impl", "make_impls", "IMPL_NAMES", "naive_attention", "load_flashv100", "FLASH", "Unsupported"]
 
@@ -66,26 +65,6 @@ def _expand_kv(q, k, v):
         k = k.repeat_interleave(rep, dim=-3)
         v = v.repeat_interleave(rep, dim=-3)
     return k, v
-
-
-def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                    is_causal: bool = False, fp32_softmax: bool = False) -> torch.Tensor:
-    """Eager matmul -> scale -> mask -> softmax -> dropout -> matmul in the inputs' dtype, as models
-    write it (K/V repeated for GQA; ``fp32_softmax`` upcasts the softmax). The benchmark baseline:
-    torch_flash_v100.reference.naive_attention with the dropout that one lacks."""
-    key, value = _expand_kv(query, key, value)
-    scores = (query @ key.transpose(-2, -1)) * (1.0 / math.sqrt(query.size(-1)))
-    if is_causal:
-        keep = causal_keep_mask(query.size(-2), key.size(-2), CAUSAL_TOP_LEFT, query.device)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-                  else scores + attn_mask)
-    probs = torch.softmax(scores.float() if fp32_softmax else scores, dim=-1).to(query.dtype)
-    if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
-    return probs @ value
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,10 +68,12 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                    scale: Optional[float] = None, fp32_softmax: bool = False) -> torch.Tensor:
-    """Eager matmul -> scale -> mask -> softmax -> matmul in the inputs' dtype, as models write it
-    (K/V repeated for GQA; ``fp32_softmax`` upcasts the softmax). The baseline of the benchmarks
-    and the demo, not a reference: it materialises the scores and gives NaN for fully masked rows.
+                    scale: Optional[float] = None, fp32_softmax: bool = False,
+                    dropout_p: float = 0.0) -> torch.Tensor:
+    """Eager matmul -> scale -> mask -> softmax -> dropout -> matmul in the inputs' dtype, as
+    models write it (K/V repeated for GQA; ``fp32_softmax`` upcasts the softmax). The baseline of
+    the benchmarks and the demo, not a reference: it materialises the scores and gives NaN for
+    fully masked rows.
     """
     if query.size(-3) != key.size(-3):
         group = query.size(-3) // key.size(-3)
@@ -89,4 +91,6 @@ def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
     else:
         probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
     return probs @ value
