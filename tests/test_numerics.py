@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import torch_flash_v100 as flash
 from attention_testing import (assert_fa2_close, make_qkv, reference_fp64,
                                reference_low_precision)
+from torch_flash_v100.reference import reference_attention
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hkv, L, S, E)
@@ -153,3 +154,32 @@ def test_empty_key_sequence_gives_zeros(device):
     k = torch.randn(1, 1, 0, 8, device=device)
     out = flash.attention(q, k, k)
     assert out.shape == q.shape and (out == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_rows_hidden_by_finfo_min_have_uniform_gradients_cpu(dtype, is_causal):
+    """Rows whose every key carries finfo(float32).min: forward and gradients are those of the
+    uniform average SDPA math gives (a P rebuilt from lse alone would be off by the key count,
+    because log(sum) vanishes next to |max| in lse)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 12, 16, generator=gen, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, 20, 16, generator=gen, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 2, 20, 16, generator=gen, dtype=dtype, requires_grad=True)
+    mask = torch.rand(1, 1, 12, 20, generator=gen) * 2 - 1
+    mask[:, :, :5] = torch.finfo(torch.float32).min  # hidden rows
+    mask[:, :, 5:, 7] = torch.finfo(torch.float32).min  # and a hidden key elsewhere
+    mask.requires_grad_(True)
+    out = flash.attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    dout = torch.randn(out.shape, generator=gen, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v, mask), dout)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, mask)]
+    ref = reference_attention(*leaves[:3], attn_mask=leaves[3], is_causal=is_causal)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    for name, got, want in zip(("dq", "dk", "dv", "dmask"), grads, ref_grads):
+        t = max(tol, 1e-5) if name == "dmask" else tol  # the mask (and its gradient) is fp32
+        torch.testing.assert_close(got.double(), want, atol=t, rtol=t,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+

@@ -98,13 +98,50 @@ void forward(const ForwardParams& p, Acc* lse) {
                        });
 }
 
-// What the backward needs about one tile of query rows, loaded once per tile.
+// What the backward needs about one tile of query rows, loaded once per tile. P is recomputed as
+// exp(s - lse) * norm (norm: see saturated_row_norms).
 template <typename Acc>
 struct RowTile {
-  std::vector<Acc> q, dout, lse, delta;
+  std::vector<Acc> q, dout, lse, delta, norm;
   RowTile(int64_t rows, int64_t dim, int64_t dim_v)
-      : q(rows * dim), dout(rows * dim_v), lse(rows), delta(rows) {}
+      : q(rows * dim), dout(rows * dim_v), lse(rows), delta(rows), norm(rows) {}
 };
+
+// Per query row, the factor that makes exp(s - lse) the row's probabilities. lse = max + log(sum)
+// is only as precise as its own spacing: with huge biases (finfo.min on every visible key) log(sum)
+// rounds away entirely and exp(s - lse) sums to `sum`, not 1. From |lse| = 2^16 on (spacing
+// 2^-7 in fp32) the row's sum of exp(s - lse) is recounted from its scores (s - lse is exact
+// there) and the factor is 1 / sum; everywhere else it is 1.
+template <typename Scalar, typename Acc>
+std::vector<Acc> saturated_row_norms(const ForwardParams& f, const Acc* lse) {
+  const AttentionShape& sh = f.shape;
+  const int64_t dim = sh.head_dim;
+  std::vector<Acc> norm(sh.batch * sh.heads_q * sh.len_q, Acc(1));
+  parallel_over_blocks(
+      sh.batch, sh.heads_q, sh.len_q, kBlockQ,
+      [&](int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end) {
+        const int64_t head_kv = kv_head_of(head_q, sh.heads_q, sh.heads_kv);
+        const int64_t offset = (batch * sh.heads_q + head_q) * sh.len_q;
+        std::vector<Acc> q(dim), k(kBlockKV * dim), scores(kBlockKV);
+        for (int64_t row = row_begin; row < row_end; ++row) {
+          const Acc l = lse[offset + row];
+          if (l == static_cast<Acc>(kNegInf) || std::abs(l) < Acc(65536)) continue;
+          load_rows<Scalar>(f.q, f.q_strides, batch, head_q, row, row + 1, dim, q.data());
+          Acc sum = 0;
+          const int64_t cols_end = visible_cols_end(f, row, row + 1);
+          for (int64_t col_begin = 0; col_begin < cols_end; col_begin += kBlockKV) {
+            const Tile t{batch, head_q, head_kv, row, row + 1, col_begin,
+                         std::min(col_begin + kBlockKV, cols_end)};
+            load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, t.col_begin, t.col_end, dim,
+                              k.data());
+            tile_scores(f, t, q.data(), k.data(), scores.data());
+            for (int64_t c = 0; c < t.cols(); ++c) sum += std::exp(scores[c] - l);
+          }
+          norm[offset + row] = Acc(1) / sum;
+        }
+      });
+  return norm;
+}
 
 // Visits every visible element of a tile with (r, c, P, dropout factor, dS).
 template <typename Acc, typename Visit>
@@ -121,7 +158,7 @@ void for_each_grad_element(const BackwardParams& p, const Tile& t, const RowTile
     for (int64_t c = 0; c < t.cols(); ++c) {
       const Acc s = scores[r * t.cols() + c];
       if (s == static_cast<Acc>(kNegInf)) continue;
-      const Acc prob = std::exp(s - rows.lse[r]);
+      const Acc prob = std::exp(s - rows.lse[r]) * rows.norm[r];
       const Acc keep = dropout ? dropout_factor<Acc>(f.dropout, threshold, batch_head,
                                                      t.row_begin + r, t.col_begin + c)
                                : Acc(1);
@@ -131,8 +168,16 @@ void for_each_grad_element(const BackwardParams& p, const Tile& t, const RowTile
   }
 }
 
+// The per-row vectors of the backward: lse, D = rowsum(dO * O), and the P factor.
+template <typename Acc>
+struct RowVectors {
+  const Acc* lse;
+  const Acc* delta;
+  const Acc* norm;
+};
+
 template <typename Scalar, typename Acc>
-void load_row_tile(const BackwardParams& p, const Acc* lse, const Acc* delta, int64_t batch,
+void load_row_tile(const BackwardParams& p, const RowVectors<Acc>& vec, int64_t batch,
                    int64_t head_q, int64_t row_begin, int64_t row_end, RowTile<Acc>& tile) {
   const ForwardParams& f = p.fwd;
   load_rows<Scalar>(f.q, f.q_strides, batch, head_q, row_begin, row_end, f.shape.head_dim,
@@ -140,8 +185,9 @@ void load_row_tile(const BackwardParams& p, const Acc* lse, const Acc* delta, in
   load_rows<Scalar>(p.dout, p.dout_strides, batch, head_q, row_begin, row_end,
                     f.shape.head_dim_v, tile.dout.data());
   const int64_t offset = (batch * f.shape.heads_q + head_q) * f.shape.len_q;
-  std::copy(lse + offset + row_begin, lse + offset + row_end, tile.lse.begin());
-  std::copy(delta + offset + row_begin, delta + offset + row_end, tile.delta.begin());
+  std::copy(vec.lse + offset + row_begin, vec.lse + offset + row_end, tile.lse.begin());
+  std::copy(vec.delta + offset + row_begin, vec.delta + offset + row_end, tile.delta.begin());
+  std::copy(vec.norm + offset + row_begin, vec.norm + offset + row_end, tile.norm.begin());
 }
 
 template <typename Scalar, typename Acc>
@@ -157,7 +203,7 @@ void store_rows(void* base, const TensorStrides& s, int64_t batch, int64_t head,
 
 // dK and dV of one block of keys, summed over the query heads that share it (GQA).
 template <typename Scalar, typename Acc>
-void backward_key_block(const BackwardParams& p, const Acc* lse, const Acc* delta, int64_t batch,
+void backward_key_block(const BackwardParams& p, const RowVectors<Acc>& vec, int64_t batch,
                         int64_t head_kv, int64_t col_begin, int64_t col_end) {
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
@@ -176,7 +222,7 @@ void backward_key_block(const BackwardParams& p, const Acc* lse, const Acc* delt
     for (int64_t row_begin = 0; row_begin < sh.len_q; row_begin += kBlockQ) {
       const int64_t row_end = std::min(row_begin + kBlockQ, sh.len_q);
       if (visible_cols_end(f, row_begin, row_end) <= col_begin) continue;
-      load_row_tile<Scalar>(p, lse, delta, batch, head_q, row_begin, row_end, rows);
+      load_row_tile<Scalar>(p, vec, batch, head_q, row_begin, row_end, rows);
       const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
       for_each_grad_element(p, t, rows, k.data(), v.data(), scores.data(),
                             [&](int64_t r, int64_t c, Acc prob, Acc keep, Acc dscore) {
@@ -198,7 +244,7 @@ void backward_key_block(const BackwardParams& p, const Acc* lse, const Acc* delt
 
 // dQ of one block of query rows.
 template <typename Scalar, typename Acc>
-void backward_query_block(const BackwardParams& p, const Acc* lse, const Acc* delta, int64_t batch,
+void backward_query_block(const BackwardParams& p, const RowVectors<Acc>& vec, int64_t batch,
                           int64_t head_q, int64_t row_begin, int64_t row_end) {
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
@@ -207,7 +253,7 @@ void backward_query_block(const BackwardParams& p, const Acc* lse, const Acc* de
   std::vector<Acc> k(kBlockKV * dim), v(kBlockKV * dim_v), dq(rows_n * dim, Acc(0));
   std::vector<Acc> scores(rows_n * kBlockKV);
   RowTile<Acc> rows(rows_n, dim, dim_v);
-  load_row_tile<Scalar>(p, lse, delta, batch, head_q, row_begin, row_end, rows);
+  load_row_tile<Scalar>(p, vec, batch, head_q, row_begin, row_end, rows);
   const Acc scale = static_cast<Acc>(f.scale);
   const int64_t cols_end = visible_cols_end(f, row_begin, row_end);
   for (int64_t col_begin = 0; col_begin < cols_end; col_begin += kBlockKV) {
@@ -229,15 +275,17 @@ void backward_query_block(const BackwardParams& p, const Acc* lse, const Acc* de
 template <typename Scalar, typename Acc>
 void backward(const BackwardParams& p, const Acc* lse, const Acc* delta) {
   const AttentionShape& sh = p.fwd.shape;
+  const std::vector<Acc> norm = saturated_row_norms<Scalar>(p.fwd, lse);
+  const RowVectors<Acc> vec{lse, delta, norm.data()};
   parallel_over_blocks(sh.batch, sh.heads_kv, sh.len_kv, kBlockKV,
                        [&](int64_t batch, int64_t head_kv, int64_t col_begin, int64_t col_end) {
-                         backward_key_block<Scalar, Acc>(p, lse, delta, batch, head_kv, col_begin,
+                         backward_key_block<Scalar, Acc>(p, vec, batch, head_kv, col_begin,
                                                          col_end);
                        });
   parallel_over_blocks(sh.batch, sh.heads_q, sh.len_q, kBlockQ,
                        [&](int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end) {
-                         backward_query_block<Scalar, Acc>(p, lse, delta, batch, head_q,
-                                                           row_begin, row_end);
+                         backward_query_block<Scalar, Acc>(p, vec, batch, head_q, row_begin,
+                                                           row_end);
                        });
 }
 
