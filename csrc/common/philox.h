@@ -1,5 +1,15 @@
 // Counter-based dropout randomness shared by the CPU and CUDA kernels, so both devices drop the
-// same elements for the same (seed, offset). Philox4x32-10 (Salmon et al., SC'11). No ATen.
+// same elements for the same (seed, offset). No ATen.
+//
+// Philox4x32 with 7 rounds (Salmon et al., SC'11; the round count FlashAttention-2 uses for the
+// same purpose, 3 fewer than the default's safety margin). One call yields four 32-bit words,
+// i.e. eight 16-bit uniforms: the keep decisions of 8 elements of one attention row, namely the
+// columns 32 b + 8 j + 2 t + e (j = 0..3, e = 0..1) of 32-column block b that share t. That is
+// exactly what one lane of the sm_80 mma.m16n8k16 accumulator holds of a row across four
+// fragments, so the fused kernels use every call whole; any other traversal (CPU, the mask
+// kernel) just recomputes the call of each element.
+// Column c uses 16-bit half (c & 1) of word (c >> 3) & 3. A 16-bit threshold resolves the drop
+// probability to 2^-16 (|error| <= 2^-17, e.g. p = 0.1 drops with probability 0.100006).
 #pragma once
 
 #include "common/fixed_width_types.h"
@@ -22,13 +32,13 @@ FLASHV100_HOST_DEVICE uint32_t mulhilo32(uint32_t a, uint32_t b, uint32_t* hi) {
   return static_cast<uint32_t>(product);
 }
 
-FLASHV100_HOST_DEVICE Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint32_t key1) {
+FLASHV100_HOST_DEVICE Philox4 philox4x32_7(Philox4 counter, uint32_t key0, uint32_t key1) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #pragma unroll
 #endif
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < 7; ++round) {
     uint32_t hi0, hi1;
     const uint32_t lo0 = mulhilo32(kMul0, counter.x, &hi0);
     const uint32_t lo1 = mulhilo32(kMul1, counter.z, &hi1);
@@ -39,24 +49,29 @@ FLASHV100_HOST_DEVICE Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint
   return counter;
 }
 
-// Threshold on a uniform uint32 below which an element is dropped: keep iff bits >= threshold.
+// Drop threshold on a 16-bit uniform: keep iff bits >= threshold. round(p * 2^16), in [0, 2^16].
 FLASHV100_HOST_DEVICE uint32_t dropout_threshold(float p) {
-  const double scaled = static_cast<double>(p) * 4294967296.0;
-  return scaled >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(scaled);
+  return static_cast<uint32_t>(static_cast<double>(p) * 65536.0 + 0.5);
 }
 
-// Random bits for the four columns [4 * (col / 4), 4 * (col / 4) + 4) of one attention row.
-// `batch_head` = b * Hq + h. Element c of the row uses word (c % 4) of the result.
-FLASHV100_HOST_DEVICE Philox4 dropout_bits(uint64_t seed, uint64_t offset, uint64_t batch_head,
+// The Philox call holding the bits of element (row, col) of head `batch_head` (= b * Hq + h).
+FLASHV100_HOST_DEVICE Philox4 dropout_call(uint64_t seed, uint64_t offset, uint64_t batch_head,
                                            uint64_t row, uint64_t col) {
-  const Philox4 counter{static_cast<uint32_t>(col >> 2), static_cast<uint32_t>(row),
-                        static_cast<uint32_t>(batch_head), static_cast<uint32_t>(offset)};
-  return philox4x32_10(counter, static_cast<uint32_t>(seed),
-                       static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32));
+  const uint32_t group = static_cast<uint32_t>(((col >> 5) << 2) | ((col >> 1) & 3));
+  const Philox4 counter{group, static_cast<uint32_t>(row), static_cast<uint32_t>(batch_head),
+                        static_cast<uint32_t>(offset)};
+  return philox4x32_7(counter, static_cast<uint32_t>(seed),
+                      static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32));
 }
 
+// Word `index` (0..3) of a call: the 16-bit uniforms of columns 8 index + 2 t + {0, 1}.
 FLASHV100_HOST_DEVICE uint32_t philox_word(const Philox4& bits, int index) {
   return index == 0 ? bits.x : index == 1 ? bits.y : index == 2 ? bits.z : bits.w;
+}
+
+// The 16-bit uniform of column `col` in its call.
+FLASHV100_HOST_DEVICE uint32_t dropout_uniform16(const Philox4& bits, uint64_t col) {
+  return (philox_word(bits, static_cast<int>((col >> 3) & 3)) >> (16 * (col & 1))) & 0xFFFFu;
 }
 
 }  // namespace flashv100

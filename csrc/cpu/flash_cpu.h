@@ -103,8 +103,8 @@ void tile_scores(const ForwardParams& p, const Tile& t, const Acc* q, const Acc*
 template <typename Acc>
 Acc dropout_factor(const DropoutParams& d, uint32_t threshold, int64_t batch_head, int64_t row,
                    int64_t col) {
-  const Philox4 bits = dropout_bits(d.seed, d.offset, batch_head, row, col);
-  return philox_word(bits, static_cast<int>(col & 3)) >= threshold
+  const Philox4 bits = dropout_call(d.seed, d.offset, batch_head, row, col);
+  return dropout_uniform16(bits, col) >= threshold
              ? static_cast<Acc>(1.0 / (1.0 - static_cast<double>(d.p)))
              : Acc(0);
 }

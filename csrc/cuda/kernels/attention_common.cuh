@@ -125,41 +125,71 @@ struct Dropout {
     inv_keep = 1.0f / (1.0f - d.p);
   }
   // f(fm, fn, i, factor_i, factor_i+1) with the multipliers (0 or 1 / (1 - p)) of each horizontal
-  // pair (i, i + 1) of a warp tile whose (r, c) is query row0 + r, key col0 + c. One Philox call
-  // covers 4 columns of a row; a lane holds 2 of them in each of two rows (pairs i and i + 2), and
-  // the lane that differs in Atom::kColPairLaneMask holds the other 2: each computes one row and
-  // they swap results, so every call is used whole.
+  // pair (i, i + 1) of a warp tile whose (r, c) is query row0 + r, key col0 + c; col0 must be a
+  // multiple of the tile's width. The pairs of a row that share a Philox call (a 32-column block
+  // and a column group, common/philox.h) are visited together, so that no call is made twice.
+  // Atoms whose fragment rows span two groups pair each lane with the lane holding the other
+  // words of the same two calls (Atom::kDropoutPartnerLane): each makes one call, and they swap.
   template <class Atom, class Acc, class F>
   __device__ __forceinline__ void for_each_factor_pair(const Acc&, int lane, int64_t batch_head,
                                                        int row0, int col0, F&& f) const {
-    static_assert(Atom::kCRegs % 4 == 0, "pairs i and i + 2 must share columns");
-    const bool low = (lane & Atom::kColPairLaneMask) == 0;
+    constexpr int kFragsPerBlock = 32 / Atom::kN;
+    constexpr int kBlocks = (Acc::kFragN + kFragsPerBlock - 1) / kFragsPerBlock;
+    constexpr bool kSwap = Atom::kDropoutGroups == 2;
+    static_assert(Atom::kDropoutGroups == 1 || (kSwap && Atom::kDropoutPartnerLane != 0 &&
+                                                Atom::kCRegs == 4 * Atom::kRowSlots),
+                  "swapping needs one pair per fragment, row slot and group");
+    // Bits of col0 that move a word index: none when tiles are whole 32-column blocks, else
+    // whether the tile is the block's second half.
+    const int col0_in_block = Acc::kFragN * Atom::kN % 32 == 0 ? 0 : col0 & 16;
+    const auto word_of = [&](int l, int fn, int i) {
+      return ((col0_in_block + Acc::col_of(l, fn, i)) >> 3) & 3;
+    };
+    const auto apply = [&](int fm, int fn, int i, uint32_t pair_bits) {
+      f(fm, fn, i, (pair_bits & 0xFFFFu) >= threshold ? inv_keep : 0.0f,
+        (pair_bits >> 16) >= threshold ? inv_keep : 0.0f);
+    };
+    const int own_group = kSwap && (lane & Atom::kDropoutPartnerLane) != 0 ? 1 : 0;
 #pragma unroll
     for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
-      for (int fn = 0; fn < Acc::kFragN; ++fn)
+      for (int slot = 0; slot < Atom::kRowSlots; ++slot)
 #pragma unroll
-        for (int i = 0; i < Atom::kCRegs; i += 4) {
-          const int row_a = row0 + Acc::row_of(lane, fm, Atom::row_slot(i));
-          const int row_b = row0 + Acc::row_of(lane, fm, Atom::row_slot(i + 2));
-          const int col = col0 + Acc::col_of(lane, fn, i);
-          const Philox4 mine = dropout_bits(seed, offset, batch_head, low ? row_a : row_b, col);
-          Philox4 theirs;
-          theirs.x = __shfl_xor_sync(0xffffffffu, mine.x, Atom::kColPairLaneMask);
-          theirs.y = __shfl_xor_sync(0xffffffffu, mine.y, Atom::kColPairLaneMask);
-          theirs.z = __shfl_xor_sync(0xffffffffu, mine.z, Atom::kColPairLaneMask);
-          theirs.w = __shfl_xor_sync(0xffffffffu, mine.w, Atom::kColPairLaneMask);
-          const int word = col & 3;
-          const Philox4& bits_a = low ? mine : theirs;
-          const Philox4& bits_b = low ? theirs : mine;
-          f(fm, fn, i, keep(bits_a, word), keep(bits_a, word + 1));
-          f(fm, fn, i + 2, keep(bits_b, word), keep(bits_b, word + 1));
+        for (int block = 0; block < kBlocks; ++block) {
+          const int fn0 = block * kFragsPerBlock;
+          const int own_pair = own_group ? first_pair<Atom>(slot, 1) : first_pair<Atom>(slot, 0);
+          const Philox4 bits = dropout_call(seed, offset, batch_head,
+                                            row0 + Acc::row_of(lane, fm, slot),
+                                            col0 + Acc::col_of(lane, fn0, own_pair));
+#pragma unroll
+          for (int fn = fn0; fn < fn0 + kFragsPerBlock && fn < Acc::kFragN; ++fn) {
+            if constexpr (kSwap) {
+              // The partner holds the other words of my call in its pair of my group.
+              const uint32_t received = __shfl_xor_sync(
+                  0xffffffffu, philox_word(bits, word_of(lane ^ Atom::kDropoutPartnerLane, fn,
+                                                         own_pair)),
+                  Atom::kDropoutPartnerLane);
+              const uint32_t own = philox_word(bits, word_of(lane, fn, own_pair));
+              apply(fm, fn, first_pair<Atom>(slot, 0), own_group == 0 ? own : received);
+              apply(fm, fn, first_pair<Atom>(slot, 1), own_group == 1 ? own : received);
+            } else {
+#pragma unroll
+              for (int i = 0; i < Atom::kCRegs; i += 2)
+                if (Atom::row_slot(i) == slot)
+                  apply(fm, fn, i, philox_word(bits, word_of(lane, fn, i)));
+            }
+          }
         }
   }
 
  private:
-  __device__ __forceinline__ float keep(const Philox4& bits, int word) const {
-    return philox_word(bits, word) >= threshold ? inv_keep : 0.0f;
+  // The first pair (i, i + 1) of a fragment in row slot `slot` and dropout group `group`.
+  template <class Atom>
+  static __device__ __forceinline__ int first_pair(int slot, int group) {
+#pragma unroll
+    for (int i = 0; i < Atom::kCRegs; i += 2)
+      if (Atom::row_slot(i) == slot && Atom::dropout_group(i) == group) return i;
+    return 0;
   }
 };
 

@@ -9,8 +9,8 @@
 // Accumulator element i sits at (c_row, c_col); c_col(i ^ 1) == c_col(i) ^ 1, so elements (2k, 2k+1)
 // are column neighbours, and elements i and i + 2 (i % 4 == 0) share columns in the two row slots.
 // The rows a lane holds are indexed by a "row slot"; the lanes sharing a row differ exactly in the
-// bits of kRowLaneMask (row reductions via shuffles), and flipping kColPairLaneMask moves a lane's
-// columns by 2 within the same rows (dropout shares Philox calls across that pair).
+// bits of kRowLaneMask (row reductions via shuffles). The pairs (i, i + 1) of one fragment row
+// fall into kDropoutGroups of the Philox column groups of common/philox.h (dropout_group(i)).
 // Besides the instruction, an atom names what the GPUs that run it offer the tiles above:
 // kAccumIsA (an accumulator tile can be repacked as an A operand in registers), kAsyncCopy
 // (cp.async) and kMaxSmemBytes (dynamic shared memory per block on the smallest such GPU).
@@ -30,7 +30,10 @@ struct VoltaAtom {
   static constexpr int kARegs = 2, kBRegs = 2, kCRegs = 8;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b01010;  // lanes of a row differ in bits 1 and 3
-  static constexpr int kColPairLaneMask = 0b00010;  // flips columns by 2, same rows
+  // A fragment row's pairs are 4 columns apart, so their (column / 2) % 4 differ; the lane 8
+  // columns over holds the other words of the same two Philox calls.
+  static constexpr int kDropoutGroups = 2;
+  static constexpr int kDropoutPartnerLane = 0b01000;
   // The m8n8k4 accumulator and A layouts differ, so P goes through shared memory.
   static constexpr bool kAccumIsA = false;
   static constexpr bool kAsyncCopy = false;
@@ -45,6 +48,7 @@ struct VoltaAtom {
   }
   static __device__ __forceinline__ int b_k(int, int j) { return 2 * j; }
   static __device__ __forceinline__ int row_slot(int i) { return (i >> 1) & 1; }
+  static __device__ __forceinline__ int dropout_group(int i) { return (i >> 2) & 1; }
   static __device__ __forceinline__ int slot_row(int lane, int slot) {
     return ((lane >> 2) & 1) * 8 + (lane >> 4) * 4 + (lane & 1) + 2 * slot;
   }
@@ -73,7 +77,8 @@ struct AmpereAtom {
   static constexpr int kARegs = 4, kBRegs = 2, kCRegs = 4;
   static constexpr int kRowSlots = 2;
   static constexpr int kRowLaneMask = 0b00011;  // lanes of a row differ in bits 0 and 1
-  static constexpr int kColPairLaneMask = 0b00001;  // flips columns by 2, same rows
+  static constexpr int kDropoutGroups = 1;  // one pair per fragment row
+  static constexpr int kDropoutPartnerLane = 0;
   static constexpr bool kAccumIsA = true;
   static constexpr bool kAsyncCopy = true;        // sm_80+
   static constexpr int kMaxSmemBytes = 99 * 1024;  // sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
@@ -96,6 +101,7 @@ struct AmpereAtom {
   static __device__ __forceinline__ int b_col(int lane, int) { return lane >> 2; }
   static __device__ __forceinline__ int b_k(int lane, int j) { return (lane & 3) * 2 + j * 8; }
   static __device__ __forceinline__ int row_slot(int i) { return i >> 1; }
+  static __device__ __forceinline__ int dropout_group(int) { return 0; }
   static __device__ __forceinline__ int slot_row(int lane, int slot) { return (lane >> 2) + 8 * slot; }
   static __device__ __forceinline__ int c_row(int lane, int i) { return slot_row(lane, row_slot(i)); }
   static __device__ __forceinline__ int c_col(int lane, int i) { return (lane & 3) * 2 + (i & 1); }
