@@ -37,7 +37,7 @@ struct MaskParams {
   const int32_t* key_range = nullptr;
 };
 
-// Dropout randomness: Philox4x32-10 keyed by seed, counter offset by `offset` (see philox.h).
+// Dropout randomness: Philox4x32-7 keyed by seed, counter offset by `offset` (see philox.h).
 // When the generator is captured in a CUDA graph, seed/offset live in device memory and are read
 // by the kernel (offset_ptr != nullptr, offset = *offset_ptr + offset_intragraph).
 struct DropoutParams {
@@ -90,6 +90,11 @@ struct BackwardParams {
   // Gradient of an additive mask, [B, Hq, Lq, Lkv] contiguous in fp32 (reduced to the mask's
   // broadcast shape by the caller); nullptr when the mask does not require grad.
   float* dmask = nullptr;
+  // General CUDA variant only (else nullptr): per query row [B, Hq, Lq], written by the D pre-pass,
+  // what P = exp2((s - row_base) * log2(e) + row_log2_norm) is recomputed from: lse and 0, except
+  // for rows whose lse cannot carry log(sum) (kernels/flash_bwd.cuh, recount_saturated_row).
+  float* row_base = nullptr;
+  float* row_log2_norm = nullptr;
   bool deterministic = false;
 };
 

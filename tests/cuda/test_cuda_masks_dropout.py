@@ -37,10 +37,10 @@ def make_mask(shape_class, kind, gen):
     return mask
 
 
-def fused_all(q, k, v, mask, dropout_p, causal_mode, dout, mask_grad):
+def fused_all(q, k, v, mask, dropout_p, causal_mode, dout, mask_grad, deterministic=False):
     out, lse, rng = ops._attention_forward(q, k, v, mask, dropout_p, causal_mode, SCALE)
     dq, dk, dv, dmask = ops._attention_backward(dout, q, k, v, mask, out, lse, rng, dropout_p,
-                                                causal_mode, SCALE, mask_grad, False)
+                                                causal_mode, SCALE, mask_grad, deterministic)
     return out, dq, dk, dv, dmask, rng
 
 
@@ -59,16 +59,18 @@ def reference_all(q, k, v, mask, dropout_p, causal_mode, dout, keep, dtype, mask
 
 
 def check_against_reference(q, k, v, mask=None, dropout_p=0.0, causal_mode=0, mask_grad=False,
-                            check_grads=True):
+                            check_grads=True, deterministic=False, floor_mask=None):
+    """floor_mask: the mask of the low-precision math floor, where `mask` does not fit its dtype."""
     dout = torch.randn_like(q)
-    got = fused_all(q, k, v, mask, dropout_p, causal_mode, dout, mask_grad)
+    got = fused_all(q, k, v, mask, dropout_p, causal_mode, dout, mask_grad, deterministic)
     keep = None
     if dropout_p > 0:
         keep = ops._dropout_mask(got[-1], q.shape[0], q.shape[1], q.shape[2], k.shape[2],
                                  dropout_p)
     ref64 = reference_all(q, k, v, mask, dropout_p, causal_mode, dout, keep, torch.float64,
                           mask_grad)
-    base = reference_all(q, k, v, mask, dropout_p, causal_mode, dout, keep, q.dtype, mask_grad)
+    base = reference_all(q, k, v, mask if floor_mask is None else floor_mask, dropout_p,
+                         causal_mode, dout, keep, q.dtype, mask_grad)
     names = ["out", "dq", "dk", "dv"] if check_grads else ["out"]
     for name, a, r, bl in zip(names, got[:4], ref64[:4], base[:4]):
         assert_fa2_close(a, r, bl, name=name)
@@ -100,6 +102,12 @@ def test_additive_mask_gradient(atom, shape_class):
     check_against_reference(q, k, v, mask, causal_mode=1, mask_grad=True)
 
 
+def in_range_of(mask, dtype):
+    """The floor mask of a math reference in `dtype`: finfo(float32).min is -inf in fp16 and bf16,
+    which would hide its rows there; finfo(dtype).min keeps SDPA's uniform average."""
+    return mask.clamp_min(torch.finfo(dtype).min)
+
+
 @pytest.mark.parametrize("kind", ["bool", "neg_inf", "finfo_min"])
 def test_fully_masked_rows(atom, kind):
     q, k, v = make_qkv(1, 2, 2, 40, 50, E, torch.float16, "cuda")
@@ -110,12 +118,39 @@ def test_fully_masked_rows(atom, kind):
     else:
         fill = float("-inf") if kind == "neg_inf" else torch.finfo(torch.float32).min
         mask = torch.zeros(1, 1, 40, 50, device="cuda").masked_fill(hidden, fill)
-    # finfo.min rows: the output is the uniform average of SDPA math, but the backward's P,
-    # recomputed from lse = max + log(sum), is not: log(sum) vanishes next to |max| ~ 3e38 in
-    # fp32 (a known limitation, as for any lse-based kernel); such rows only matter with dO != 0.
-    out = check_against_reference(q, k, v, mask, check_grads=kind != "finfo_min")[0]
+    # finfo.min rows (dO != 0 here): lse = max + log(sum) cannot carry log(sum) next to
+    # |max| ~ 3e38 in fp32, so the backward's D pre-pass recounts their normalizer.
+    floor_mask = in_range_of(mask, q.dtype) if kind == "finfo_min" else None
+    out = check_against_reference(q, k, v, mask, floor_mask=floor_mask)[0]
     if kind != "finfo_min":  # SDPA semantics: hidden rows give 0 (finfo.min: a uniform average)
         assert torch.equal(out[:, :, :7], torch.zeros_like(out[:, :, :7]))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic_dq"])
+@pytest.mark.parametrize("causal_mode", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape_class", ["rows", "padding"])
+def test_rows_hidden_by_finfo_min_have_uniform_gradients(atom, shape_class, dtype, causal_mode,
+                                                         deterministic):
+    """Rows whose every visible key carries finfo(float32).min, with dO != 0 on them: output and
+    gradients (dmask too) are those of SDPA math's uniform average, with GQA, for both dQ kernels.
+    "padding": HuggingFace-style [B, 1, 1, S] masks, batch 1 fully padded."""
+    if atom and dtype == torch.bfloat16:
+        pytest.skip("bf16 on the Volta atom runs the ATen fallback")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = make_qkv(B, H, H // 2, L, S, E, dtype, "cuda")
+    finfo_min = torch.finfo(torch.float32).min
+    if shape_class == "rows":
+        mask = torch.rand(B, 1, L, S, generator=gen, device="cuda") * 2 - 1
+        mask[0, :, :5] = finfo_min  # hidden rows
+        mask[1, :, 30:70] = finfo_min  # across a query tile boundary
+        mask[:, :, 5:, 7] = finfo_min  # and a hidden key elsewhere
+    else:
+        mask = torch.zeros(B, 1, 1, S, device="cuda")
+        mask[0, ..., 60:] = finfo_min
+        mask[1] = finfo_min
+    check_against_reference(q, k, v, mask, causal_mode=causal_mode, mask_grad=True,
+                            deterministic=deterministic, floor_mask=in_range_of(mask, dtype))
 
 
 def test_mask_with_gqa_and_strided_layout(atom):
@@ -185,7 +220,7 @@ def test_non_positive_scale(atom, scale):
 
 
 @pytest.mark.parametrize("causal_mode", [0, 2])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])  # every tile width: Philox groups
 def test_dropout_matches_reference_with_same_keep_mask(atom, causal_mode, head_dim):
     q, k, v = make_qkv(B, H, H // 2, L, S, head_dim, torch.float16, "cuda")
     check_against_reference(q, k, v, dropout_p=0.2, causal_mode=causal_mode)

@@ -1,4 +1,5 @@
-// Backward launches: D = rowsum(dO * O), then dK/dV (+ dQ by atomics, converted afterwards), or
+// Backward launches: D = rowsum(dO * O) (and, for the general variant, P's base and log2
+// normalizer per row), then dK/dV (+ dQ by atomics, converted afterwards), or
 // dK/dV and a separate deterministic dQ kernel; all on the current stream.
 #include <c10/cuda/CUDAStream.h>
 
@@ -15,21 +16,28 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
   const AttentionShape& s = p.fwd.shape;
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
                                                                  c10::cuda::current_device());
-  at::Tensor dsum = at::empty({s.batch * s.heads_q * s.len_q}, f32);
-  dispatch(atom, dtype, s.head_dim, is_general(p.fwd),
-           [&](auto atom_tag, auto elem_tag, auto dim, auto general) {
+  const bool general = is_general(p.fwd);
+  const int64_t rows = s.batch * s.heads_q * s.len_q;
+  // Per query row: D, then for the general variant BackwardParams::row_base and row_log2_norm.
+  const at::Tensor row_vectors = at::empty({(general ? 3 : 1) * rows}, f32);
+  float* const dsum = row_vectors.data_ptr<float>();
+  if (general) {
+    p.row_base = dsum + rows;
+    p.row_log2_norm = dsum + 2 * rows;
+  }
+  dispatch(atom, dtype, s.head_dim, general,
+           [&](auto atom_tag, auto elem_tag, auto dim, auto general_tag) {
     using Atom = decltype(atom_tag);
     using Elem = decltype(elem_tag);
     constexpr int D = decltype(dim)::value;
-    constexpr bool G = decltype(general)::value;
+    constexpr bool G = decltype(general_tag)::value;
     using Cfg = kern::BwdConfig<Atom, D, G>;
     using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
     at::Tensor dq_accum;
     if (!p.deterministic) {
       dq_accum = at::zeros({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
     }
-    kern::flash_bwd_dsum_kernel<Elem><<<ceil_div(s.batch * s.heads_q * s.len_q, 4), 128, 0,
-                                        stream>>>(p, dsum.data_ptr<float>());
+    kern::flash_bwd_dsum_kernel<Elem><<<ceil_div(rows, 4), 128, 0, stream>>>(p, dsum);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, G>;
@@ -38,14 +46,14 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
                  Cfg::kSmemBytes);
     const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
     dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        p, dsum.data_ptr<float>(), p.deterministic ? nullptr : dq_accum.data_ptr<float>());
+        p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     if (p.deterministic) {
       const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, G>;
       set_smem(dq, Cfg::kSmemBytes);
       const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
-      dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum.data_ptr<float>());
+      dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum);
     } else {
       const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
       kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, G>

@@ -105,7 +105,8 @@ struct BwdConfig : BwdTile<Atom, kHeadDim_, kGeneral_> {
   static constexpr int kQRows = T::kBlockM / (T::kWarps / T::kWarpsNQ);
   static constexpr int kQCols = T::kDqCols / T::kWarpsNQ;
   static constexpr int kQColsFull = kHeadDim / T::kWarpsNQ;  // the dQ-only kernel keeps all of dQ
-  // Shared memory: K, V, Q, dO [rows][head dim]; P, dS [query rows][keys]; lse, D per query row.
+  // Shared memory: K, V, Q, dO [rows][head dim]; P, dS [query rows][keys]; per query row lse
+  // (general variant: P's base), D, and for the general variant P's log2 normalizer.
   static constexpr int kLdE = kHeadDim + kSmemPad;
   static constexpr int kLdN = T::kBlockN + kSmemPad;
   static constexpr int kKOffset = 0;
@@ -115,7 +116,8 @@ struct BwdConfig : BwdTile<Atom, kHeadDim_, kGeneral_> {
   static constexpr int kPOffset = kDOOffset + T::kBlockM * kLdE;
   static constexpr int kDSOffset = kPOffset + T::kBlockM * kLdN;
   static constexpr int kRowVecByteOffset = (kDSOffset + T::kBlockM * kLdN) * 2;
-  static constexpr int kSmemBytes = kRowVecByteOffset + 2 * T::kBlockM * 4;
+  static constexpr int kRowVecs = kGeneral ? 3 : 2;
+  static constexpr int kSmemBytes = kRowVecByteOffset + kRowVecs * T::kBlockM * 4;
   static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "backward tile exceeds shared memory");
 };
 

@@ -1,5 +1,6 @@
-// FlashAttention-2 backward. P is recomputed from the saved log-sum-exp, D = rowsum(dO * O) comes
-// from a preprocessing kernel, and the main kernel runs one block per (key tile, batch*kv-head):
+// FlashAttention-2 backward. P is recomputed from the saved log-sum-exp (the general variant: from
+// a per-row base and log2 normalizer, see recount_saturated_row), D = rowsum(dO * O) comes from a
+// preprocessing kernel, and the main kernel runs one block per (key tile, batch*kv-head):
 // it loops over the query heads of its GQA group and over query tiles, accumulating dK and dV in
 // registers (no races between blocks, so dK/dV are deterministic). dQ is either atomically added
 // into an fp32 workspace by that kernel (fast), or computed by a second kernel that loops over
@@ -15,7 +16,9 @@ namespace kern {
 template <class Cfg>
 struct BwdSmem {
   uint16_t *k, *v, *q, *dout, *p, *ds;
-  float *lse, *dsum;
+  // Per query row: P's base (lse; general variant: BackwardParams::row_base), D, and for the
+  // general variant P's log2 normalizer (BackwardParams::row_log2_norm).
+  float *row_base, *dsum, *log2_norm;
 
   __device__ __forceinline__ explicit BwdSmem(uint4* raw) {
     uint16_t* base = reinterpret_cast<uint16_t*>(raw);
@@ -25,14 +28,15 @@ struct BwdSmem {
     dout = base + Cfg::kDOOffset;
     p = base + Cfg::kPOffset;
     ds = base + Cfg::kDSOffset;
-    lse = reinterpret_cast<float*>(reinterpret_cast<char*>(raw) + Cfg::kRowVecByteOffset);
-    dsum = lse + Cfg::kBlockM;
+    row_base = reinterpret_cast<float*>(reinterpret_cast<char*>(raw) + Cfg::kRowVecByteOffset);
+    dsum = row_base + Cfg::kBlockM;
+    log2_norm = dsum + Cfg::kBlockM;
   }
 };
 
-// Q, dO, lse and D of query rows [m0, m0 + kBlockM) of head h (Q and dO by stage_tile: they
-// land after cp_async_wait_all). Rows past the end get lse = +inf so that their recomputed P is
-// exactly 0.
+// Q, dO and the row vectors of BwdSmem of query rows [m0, m0 + kBlockM) of head h (Q and dO by
+// stage_tile: they land after cp_async_wait_all). Rows past the end get row_base = +inf so that
+// their recomputed P is exactly 0.
 template <class Atom, class Cfg>
 __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const BackwardParams& p,
                                                 const float* dsum, int64_t b, int64_t h, int m0,
@@ -46,8 +50,13 @@ __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const Ba
   stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
       sm.dout, Cfg::kLdE, head_ptr(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row, rows, d,
       tid);
-  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.lse, f.lse + row_index, rows, pos_inf(), tid);
+  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(
+      sm.row_base, (Cfg::kGeneral ? p.row_base : f.lse) + row_index, rows, pos_inf(), tid);
   load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.dsum, dsum + row_index, rows, 0.0f, tid);
+  if constexpr (Cfg::kGeneral) {
+    load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.log2_norm, p.row_log2_norm + row_index, rows,
+                                                 0.0f, tid);
+  }
 }
 
 // K and V of key rows [n0, n0 + kBlockN) of kv head hk (by stage_tile).
@@ -80,10 +89,11 @@ struct BwdHead {
         dmask_ld(p.fwd.shape.len_kv) {}
 };
 
-// Recomputes P = exp(S * scale + bias - lse) of the (m0, n0) tile and dS = P * (dP - D) with
-// dP = dO V^T (times the dropout factors), and stores dropout(P) and dS (as Elem) into shared
-// memory for the products that reduce over rows or keys. kWriteDMask: also write dS, the
-// gradient of an additive mask, to head.dmask (each tile is visited once by the dK/dV kernel).
+// Recomputes P = exp(S * scale + bias - lse) (general variant: BwdSmem's row_base and log2_norm
+// in place of lse) of the (m0, n0) tile and dS = P * (dP - D) with dP = dO V^T (times the
+// dropout factors), and stores dropout(P) and dS (as Elem) into shared memory for the products
+// that reduce over rows or keys. kWriteDMask: also write dS, the gradient of an additive mask, to
+// head.dmask (each tile is visited once by the dK/dV kernel).
 template <class Atom, class Elem, class Cfg, bool kStoreP, bool kWriteDMask>
 __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHead& head,
                                              const Dropout& dropout, float scale, int k_extent,
@@ -102,16 +112,19 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   warp_gemm<Atom, Elem, Cfg::kHeadDim>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
                                        KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
                                        Cfg::kSCols, lane);
-  // lse and D of the rows this lane holds; lse in base 2 for the plain variant (one FMA per
-  // score), in natural-log units for the general one (scores - lse first: finfo.min biases).
+  // Base (lse) and D of the rows this lane holds; the base in base 2 for the plain variant (one
+  // FMA per score), in natural-log units for the general one (scores - base first: finfo.min
+  // biases), which adds the row's log2 normalizer in the same FMA.
   const float log2_unit = scale * kLog2e;
-  float lse[Acc::kFragM][Atom::kRowSlots], dsum[Acc::kFragM][Atom::kRowSlots];
+  float base[Acc::kFragM][Atom::kRowSlots], log2_norm[Acc::kFragM][Atom::kRowSlots],
+      dsum[Acc::kFragM][Atom::kRowSlots];
 #pragma unroll
   for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
     for (int sl = 0; sl < Atom::kRowSlots; ++sl) {
       const int r = r0 + Acc::row_of(lane, fm, sl);
-      lse[fm][sl] = Cfg::kGeneral ? sm.lse[r] : sm.lse[r] * kLog2e;
+      base[fm][sl] = Cfg::kGeneral ? sm.row_base[r] : sm.row_base[r] * kLog2e;
+      if constexpr (Cfg::kGeneral) log2_norm[fm][sl] = sm.log2_norm[r];
       dsum[fm][sl] = sm.dsum[r];
     }
   // Scores as in the forward (raw for the plain variant, scaled plus bias for the general one);
@@ -129,9 +142,9 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     if (x == neg_inf()) {
       x = 0.0f;
     } else if constexpr (Cfg::kGeneral) {
-      x = fast_exp2((x - lse[fm][sl]) * kLog2e);
+      x = fast_exp2(fmaf(x - base[fm][sl], kLog2e, log2_norm[fm][sl]));
     } else {
-      x = fast_exp2(fmaf(x, log2_unit, -lse[fm][sl]));
+      x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));
     }
   });
   if (Cfg::kGeneral && dropout.enabled) {
@@ -160,7 +173,63 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   store_accum_smem<Elem>(dp, sm.ds, Cfg::kLdN, r0, c0, lane);
 }
 
-// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32: one warp per row.
+// sum_e a[e] * b[e] over n (even) 16-bit elements in fp32, by the whole warp (a pair of elements
+// per lane and step); every lane returns the sum.
+template <class Elem>
+__device__ __forceinline__ float warp_row_dot(const uint16_t* a, const uint16_t* b, int64_t n,
+                                              int lane) {
+  float acc = 0.0f;
+  for (int e = 2 * lane; e < n; e += 64) {
+    const uint32_t av = *reinterpret_cast<const uint32_t*>(a + e);
+    const uint32_t bv = *reinterpret_cast<const uint32_t*>(b + e);
+    acc += low_float<Elem>(av) * low_float<Elem>(bv) + high_float<Elem>(av) * high_float<Elem>(bv);
+  }
+#pragma unroll
+  for (int bit = 16; bit > 0; bit >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, bit);
+  return acc;
+}
+
+// Whether any of n (even) 16-bit values is not +-0, by the whole warp.
+__device__ __forceinline__ bool warp_row_nonzero(const uint16_t* a, int64_t n, int lane) {
+  bool nonzero = false;
+  for (int e = 2 * lane; e < n; e += 64)
+    nonzero |= (*reinterpret_cast<const uint32_t*>(a + e) & 0x7fff7fffu) != 0;
+  return __any_sync(0xffffffffu, nonzero);
+}
+
+// P's base and log2 normalizer for query row i of (b, h) when its lse cannot serve: lse = max +
+// log(sum) keeps log(sum) only to lse's own spacing (2^-7 from |lse| = 2^16 on, and nothing of it
+// when finfo.min is on every visible key), so exp(s - lse) would sum to `sum`, not 1. Recounts
+// max and sum from the row's scores, computed as the general forward does (scale, then the mask
+// bias), one key at a time by the whole warp: O(S * E) per row on CUDA cores, which only such
+// rows pay. Every lane gets base = max, log2_norm = -log2(sum).
+template <class Elem>
+__device__ __forceinline__ void recount_saturated_row(const BackwardParams& p, int64_t b,
+                                                      int64_t h, int i, int lane, float& base,
+                                                      float& log2_norm) {
+  const ForwardParams& f = p.fwd;
+  const BwdHead head(p, b, h);
+  const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
+  const uint16_t* q = head_ptr(f.q, f.q_strides, b, h, i);
+  const float scale = static_cast<float>(f.scale);
+  const int key_end = head.vis.key_end(i + 1);  // keys [0, key_end) are visible from row i
+  float row_max = neg_inf(), sum = 0.0f;
+  for (int j = 0; j < key_end; ++j) {
+    float s = warp_row_dot<Elem>(q, head_ptr(f.k, f.k_strides, b, hk, j), f.shape.head_dim,
+                                 lane) * scale;
+    if (head.mask.reads) s += head.mask.bias(i, j);
+    if (s == neg_inf()) continue;  // dropped by the mask
+    const float new_max = fmaxf(row_max, s);
+    sum = sum * fast_exp2((row_max - new_max) * kLog2e) + fast_exp2((s - new_max) * kLog2e);
+    row_max = new_max;
+  }
+  base = row_max;
+  log2_norm = -log2f(sum);
+}
+
+// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32: one warp per row. The general variant
+// (p.row_base set) also writes the row's P base and log2 normalizer: lse and 0, or recounted for
+// rows with finite |lse| >= 2^16 whose dO is not 0 (with dO = 0, P does not reach any gradient).
 template <class Elem>
 __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParams p, float* dsum) {
   const ForwardParams& f = p.fwd;
@@ -169,17 +238,20 @@ __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParam
   if (row >= f.shape.batch * f.shape.heads_q * f.shape.len_q) return;
   const int64_t bh = row / f.shape.len_q, i = row % f.shape.len_q;
   const int64_t b = bh / f.shape.heads_q, h = bh % f.shape.heads_q;
-  const uint16_t* o = head_ptr(f.out, f.out_strides, b, h, i);
   const uint16_t* g = head_ptr(p.dout, p.dout_strides, b, h, i);
-  float acc = 0.0f;
-  for (int e = 2 * lane; e < f.shape.head_dim; e += 64) {
-    const uint32_t ov = *reinterpret_cast<const uint32_t*>(o + e);
-    const uint32_t gv = *reinterpret_cast<const uint32_t*>(g + e);
-    acc += low_float<Elem>(ov) * low_float<Elem>(gv) + high_float<Elem>(ov) * high_float<Elem>(gv);
+  const float d_row =
+      warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, i), g, f.shape.head_dim, lane);
+  if (lane == 0) dsum[row] = d_row;
+  if (p.row_base == nullptr) return;
+  float base = f.lse[row], log2_norm = 0.0f;
+  if (fabsf(base) >= 65536.0f && fabsf(base) != pos_inf() &&
+      warp_row_nonzero(g, f.shape.head_dim, lane)) {
+    recount_saturated_row<Elem>(p, b, h, static_cast<int>(i), lane, base, log2_norm);
   }
-#pragma unroll
-  for (int bit = 16; bit > 0; bit >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, bit);
-  if (lane == 0) dsum[row] = acc;
+  if (lane == 0) {
+    p.row_base[row] = base;
+    p.row_log2_norm[row] = log2_norm;
+  }
 }
 
 // The fp32 dQ workspace of the atomic path, laid out the way the dK/dV kernel's warps hold dQ:
@@ -221,9 +293,10 @@ struct DqWorkspace {
 };
 
 // dK, dV for key tile blockIdx.x of (batch, kv head) blockIdx.y; optionally dQ by fp32 atomics
-// into dq_accum (a DqWorkspace). kGeneral: attn_mask and/or dropout.
+// into dq_accum (a DqWorkspace). kGeneral: attn_mask and/or dropout. One block per SM is enough:
+// the tiles are sized to the registers, and without it ptxas may trade spills for a second block.
 template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads, 1)
     flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum) {
   using Cfg = BwdConfig<Atom, kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
