@@ -124,14 +124,15 @@ struct Dropout {
     threshold = dropout_threshold(d.p);
     inv_keep = 1.0f / (1.0f - d.p);
   }
-  // f(fm, fn, i, factor_i, factor_i+1) with the multipliers (0 or 1 / (1 - p)) of each horizontal
-  // pair (i, i + 1) of a warp tile whose (r, c) is query row0 + r, key col0 + c; col0 must be a
+  // f(fm, fn, i, keep_i, keep_i+1) with the keep decisions of each horizontal pair (i, i + 1) of a
+  // warp tile whose (r, c) is query row0 + r, key col0 + c (the kernels apply the 1 / (1 - p) of
+  // kept entries, inv_keep, once per output element instead of per entry); col0 must be a
   // multiple of the tile's width. The pairs of a row that share a Philox call (a 32-column block
   // and a column group, common/philox.h) are visited together, so that no call is made twice.
   // Atoms whose fragment rows span two groups pair each lane with the lane holding the other
   // words of the same two calls (Atom::kDropoutPartnerLane): each makes one call, and they swap.
   template <class Atom, class Acc, class F>
-  __device__ __forceinline__ void for_each_factor_pair(const Acc&, int lane, int64_t batch_head,
+  __device__ __forceinline__ void for_each_keep_pair(const Acc&, int lane, int64_t batch_head,
                                                        int row0, int col0, F&& f) const {
     constexpr int kFragsPerBlock = 32 / Atom::kN;
     constexpr int kBlocks = (Acc::kFragN + kFragsPerBlock - 1) / kFragsPerBlock;
@@ -146,8 +147,7 @@ struct Dropout {
       return ((col0_in_block + Acc::col_of(l, fn, i)) >> 3) & 3;
     };
     const auto apply = [&](int fm, int fn, int i, uint32_t pair_bits) {
-      f(fm, fn, i, (pair_bits & 0xFFFFu) >= threshold ? inv_keep : 0.0f,
-        (pair_bits >> 16) >= threshold ? inv_keep : 0.0f);
+      f(fm, fn, i, (pair_bits & 0xFFFFu) >= threshold, (pair_bits >> 16) >= threshold);
     };
     const int own_group = kSwap && (lane & Atom::kDropoutPartnerLane) != 0 ? 1 : 0;
 #pragma unroll

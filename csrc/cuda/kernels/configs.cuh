@@ -32,14 +32,11 @@ struct FwdTile {
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWide ? 128 : 64;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
-  // (scripts/nvrtc_gate.py). Volta: plain 64 / 64 / 32 / 16, general 64 / 32 / 16 / 16.
-  // P in registers: plain 64 / 64 / 32 / 16, general 64 / 32 / 16 / 16.
-  static constexpr int kBlockN =
-      Atom::kAccumIsA ? (kHeadDim >= 256 || (kGeneral && kHeadDim == 128)   ? 16
-                         : (kGeneral && kHeadDim == 64) || kHeadDim == 128 ? 32
-                                                                           : 64)
-      : !kGeneral ? (kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16)
-                  : (kHeadDim <= 32 ? 64 : kHeadDim == 64 ? 32 : 16);
+  // (scripts/nvrtc_gate.py): 64 / 64 / 32 / 16, except 16 for the general variant at head dim 128
+  // with P in registers (its mask reads and Philox calls do not fit next to 32 keys).
+  static constexpr int kBlockN = kHeadDim <= 64                                   ? 64
+                                 : kHeadDim == 128 && !(Atom::kAccumIsA && kGeneral) ? 32
+                                                                                     : 16;
 };
 
 template <class Atom, int kHeadDim_, bool kGeneral_>

@@ -91,9 +91,9 @@ struct BwdHead {
 
 // Recomputes P = exp(S * scale + bias - lse) (general variant: BwdSmem's row_base and log2_norm
 // in place of lse) of the (m0, n0) tile and dS = P * (dP - D) with dP = dO V^T (times the
-// dropout factors), and stores dropout(P) and dS (as Elem) into shared memory for the products
-// that reduce over rows or keys. kWriteDMask: also write dS, the gradient of an additive mask, to
-// head.dmask (each tile is visited once by the dK/dV kernel).
+// dropout factors), and stores P (times the keep mask) and dS (as Elem) into shared memory for
+// the products that reduce over rows or keys. kWriteDMask: also write dS, the gradient of an
+// additive mask, to head.dmask (each tile is visited once by the dK/dV kernel).
 template <class Atom, class Elem, class Cfg, bool kStoreP, bool kWriteDMask>
 __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHead& head,
                                              const Dropout& dropout, float scale, int k_extent,
@@ -148,13 +148,17 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     }
   });
   if (Cfg::kGeneral && dropout.enabled) {
-    dropout.for_each_factor_pair<Atom>(
-        s, lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, float f0, float f1) {
+    // dS = P (dP Z / (1 - p) - D) with keep mask Z; P Z is stored, dV takes the 1 / (1 - p).
+    const float inv_keep = dropout.inv_keep;
+    dropout.for_each_keep_pair<Atom>(
+        s, lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
           const float d_row = dsum[fm][Atom::row_slot(i)];
-          dp.c[fm][fn][i] = s.c[fm][fn][i] * (dp.c[fm][fn][i] * f0 - d_row);
-          dp.c[fm][fn][i + 1] = s.c[fm][fn][i + 1] * (dp.c[fm][fn][i + 1] * f1 - d_row);
-          s.c[fm][fn][i] *= f0;
-          s.c[fm][fn][i + 1] *= f1;
+          float* prob = &s.c[fm][fn][i];
+          float* ds = &dp.c[fm][fn][i];
+          ds[0] = prob[0] * (k0 ? fmaf(ds[0], inv_keep, -d_row) : -d_row);
+          ds[1] = prob[1] * (k1 ? fmaf(ds[1], inv_keep, -d_row) : -d_row);
+          if (!k0) prob[0] = 0.0f;
+          if (!k1) prob[1] = 0.0f;
         });
   } else {
     dp.for_each_zip(s, [&](int fm, int sl, float& ds, float& prob) {
@@ -382,7 +386,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
                            [&](int, int) { return scale; });
   store_accum_global<Elem>(dv, head_ptr(p.dv, p.dv_strides, b, hk, n0 + kv_r0) + kv_c0,
                            p.dv_strides.row, rows_valid, d - kv_c0, lane,
-                           [&](int, int) { return 1.0f; });
+                           [&](int, int) { return kGeneral ? dropout.inv_keep : 1.0f; });
 }
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.
