@@ -131,16 +131,6 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
         row_max[fm][sl] = m_new;
         row_sum[fm][sl] *= alpha[fm][sl];
       }
-    // O is rescaled only when some row's max moved (a warp vote): after the first tiles it
-    // rarely does, and O has head-dim / tile-width times more registers than the scores.
-    bool max_moved = false;
-#pragma unroll
-    for (int fm = 0; fm < kFragM; ++fm)
-#pragma unroll
-      for (int sl = 0; sl < kSlots; ++sl) max_moved |= alpha[fm][sl] != 1.0f;
-    if (__any_sync(0xffffffffu, max_moved)) {
-      o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
-    }
     s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
       if constexpr (kGeneral) {
         x = fast_exp2((x - base[fm][sl]) * kLog2e);
@@ -149,6 +139,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
       }
       row_sum[fm][sl] += x;
     });
+    o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
     if (kGeneral && dropout.enabled) {  // the sum above is of all of P; 1 / (1 - p): epilogue
       dropout.for_each_keep_pair<Atom>(s, lane, blockIdx.y, m0 + warp_row0, n0,
                                        [&](int fm, int fn, int i, bool keep0, bool keep1) {
