@@ -36,6 +36,43 @@ def test_keep_rate(p, device):
     assert abs(both - (1 - p) ** 2) < 0.01
 
 
+_U32 = 0xFFFFFFFF
+
+
+def _philox4x32_7(counter, key):
+    """Philox4x32 with 7 rounds (Salmon et al.), written from the paper, not from our header."""
+    x, y, z, w = counter
+    k0, k1 = key
+    for _ in range(7):
+        p0, p1 = 0xD2511F53 * x, 0xCD9E8D57 * z
+        x, y, z, w = (p1 >> 32) ^ y ^ k0, p1 & _U32, (p0 >> 32) ^ w ^ k1, p0 & _U32
+        k0, k1 = (k0 + 0x9E3779B9) & _U32, (k1 + 0xBB67AE85) & _U32
+    return x, y, z, w
+
+
+def _documented_keep(seed, offset, batch_head, row, col, p):
+    """The keep decision common/philox.h documents: one call per row, 32-column block and
+    (col / 2) % 4; the 16-bit half (col % 2) of word (col / 8) % 4; keep iff >= round(p * 2^16)
+    with p as the kernels' float32."""
+    group = ((col >> 5) << 2) | ((col >> 1) & 3)
+    words = _philox4x32_7((group, row, batch_head, offset & _U32),
+                          (seed & _U32, (seed >> 32) ^ (offset >> 32)))
+    uniform16 = (words[(col >> 3) & 3] >> (16 * (col & 1))) & 0xFFFF
+    p32 = float(torch.tensor(p, dtype=torch.float32))
+    return uniform16 >= int(p32 * 65536.0 + 0.5)
+
+
+def test_mask_matches_documented_philox_stream(device):
+    seed, offset, p = 0x1234_5678_9ABC_DEF0, (5 << 32) | 77, 0.3
+    B, H, L, S = 2, 2, 3, 70  # columns past two 32-column blocks, a partial third
+    rng_state = torch.tensor([seed, offset], dtype=torch.int64, device=device)
+    keep = ops._dropout_mask(rng_state, B, H, L, S, p).cpu()
+    expected = torch.tensor([[[[_documented_keep(seed, offset, b * H + h, i, j, p)
+                                for j in range(S)] for i in range(L)] for h in range(H)]
+                             for b in range(B)])
+    assert torch.equal(keep, expected)
+
+
 def test_zero_dropout_keeps_everything(device):
     rng_state = torch.tensor([3, 0], dtype=torch.int64, device=device)
     assert ops._dropout_mask(rng_state, 1, 2, 3, 5, 0.0).all()
