@@ -8,6 +8,20 @@
 namespace flashv100 {
 namespace kern {
 
+// f(r, c) for each 8-element vector (row r, columns c .. c + 7) of a kRows x kCols tile that
+// thread tid of kThreads moves: consecutive threads take consecutive 16-byte chunks of a row.
+template <int kRows, int kCols, int kThreads, class F>
+__device__ __forceinline__ void for_each_tile_vector(int tid, F&& f) {
+  constexpr int kVecPerRow = kCols / 8;
+  constexpr int kVecs = kRows * kVecPerRow;
+#pragma unroll
+  for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
+    const int idx = it * kThreads + tid;
+    if (kVecs % kThreads != 0 && idx >= kVecs) break;
+    f(idx / kVecPerRow, (idx % kVecPerRow) * 8);
+  }
+}
+
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global 16-bit matrix into a kRows x kCols
 // shared tile (row stride ld), zero-filling the rest so that padding contributes nothing to any
 // product. kTranspose stores the tile transposed (smem[col * ld + row]).
@@ -15,14 +29,7 @@ template <int kRows, int kCols, int kThreads, bool kTranspose = false>
 __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                           int64_t row_stride, int rows_valid, int cols_valid,
                                           int tid) {
-  constexpr int kVecPerRow = kCols / 8;
-  constexpr int kVecs = kRows * kVecPerRow;
-#pragma unroll
-  for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
-    const int idx = it * kThreads + tid;
-    if (kVecs % kThreads != 0 && idx >= kVecs) break;
-    const int r = idx / kVecPerRow;
-    const int c = (idx % kVecPerRow) * 8;
+  for_each_tile_vector<kRows, kCols, kThreads>(tid, [&](int r, int c) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (r < rows_valid && c < cols_valid)
       v = __ldg(reinterpret_cast<const uint4*>(gmem + r * row_stride + c));
@@ -36,7 +43,7 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
         smem[(c + 2 * x + 1) * ld + r] = static_cast<uint16_t>(words[x] >> 16);
       }
     }
-  }
+  });
 }
 
 // load_tile without the trip through registers: 16-byte cp.async copies (rows or columns past the
@@ -45,14 +52,7 @@ template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const uint16_t* gmem,
                                                 int64_t row_stride, int rows_valid,
                                                 int cols_valid, int tid) {
-  constexpr int kVecPerRow = kCols / 8;
-  constexpr int kVecs = kRows * kVecPerRow;
-#pragma unroll
-  for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
-    const int idx = it * kThreads + tid;
-    if (kVecs % kThreads != 0 && idx >= kVecs) break;
-    const int r = idx / kVecPerRow;
-    const int c = (idx % kVecPerRow) * 8;
+  for_each_tile_vector<kRows, kCols, kThreads>(tid, [&](int r, int c) {
     const bool valid = r < rows_valid && c < cols_valid;
     const uint16_t* src = valid ? gmem + r * row_stride + c : gmem;
 #if FLASHV100_SM80
@@ -63,7 +63,7 @@ __device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const ui
     (void)src;
     __trap();
 #endif
-  }
+  });
 #if FLASHV100_SM80
   asm volatile("cp.async.commit_group;\n" ::);
 #endif
