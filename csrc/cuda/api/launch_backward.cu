@@ -37,7 +37,7 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
     if (!p.deterministic) {
       dq_accum = at::zeros({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
     }
-    kern::flash_bwd_dsum_kernel<Elem><<<ceil_div(rows, 4), 128, 0, stream>>>(p, dsum);
+    kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(rows, 4), 128, 0, stream>>>(p, dsum);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, G>;

@@ -231,10 +231,11 @@ __device__ __forceinline__ void recount_saturated_row(const BackwardParams& p, i
   log2_norm = -log2f(sum);
 }
 
-// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32: one warp per row. The general variant
-// (p.row_base set) also writes the row's P base and log2 normalizer: lse and 0, or recounted for
-// rows with finite |lse| >= 2^16 whose dO is not 0 (with dO = 0, P does not reach any gradient).
-template <class Elem>
+// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32: one warp per row. The general variant also
+// writes the row's P base and log2 normalizer (p.row_base, p.row_log2_norm): lse and 0, or
+// recounted for rows with finite |lse| >= 2^16 whose dO is not 0 (with dO = 0, P does not reach
+// any gradient). The plain variant's scores are never biased that far: it skips all of that.
+template <class Elem, bool kGeneral>
 __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParams p, float* dsum) {
   const ForwardParams& f = p.fwd;
   const int lane = threadIdx.x & 31;
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParam
   const float d_row =
       warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, i), g, f.shape.head_dim, lane);
   if (lane == 0) dsum[row] = d_row;
-  if (p.row_base == nullptr) return;
+  if constexpr (!kGeneral) return;
   float base = f.lse[row], log2_norm = 0.0f;
   if (fabsf(base) >= 65536.0f && fabsf(base) != pos_inf() &&
       warp_row_nonzero(g, f.shape.head_dim, lane)) {

@@ -29,12 +29,14 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_AMPERE_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Fp16, D)
 #define FLASHV100_INSTANTIATE_AMPERE_BF16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Bf16, D)
 
-template __global__ void flash_bwd_dsum_kernel<Fp16>(const BackwardParams, float*);
+template __global__ void flash_bwd_dsum_kernel<Fp16, false>(const BackwardParams, float*);
+template __global__ void flash_bwd_dsum_kernel<Fp16, true>(const BackwardParams, float*);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_VOLTA_FP16)
 
 // The launcher picks the Ampere atom (and allows bf16) only on sm_80 and newer.
 #if __CUDA_ARCH__ >= 800
-template __global__ void flash_bwd_dsum_kernel<Bf16>(const BackwardParams, float*);
+template __global__ void flash_bwd_dsum_kernel<Bf16, false>(const BackwardParams, float*);
+template __global__ void flash_bwd_dsum_kernel<Bf16, true>(const BackwardParams, float*);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_BF16)
 #endif
