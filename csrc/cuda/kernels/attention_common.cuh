@@ -133,7 +133,7 @@ struct Dropout {
   // words of the same two calls (Atom::kDropoutPartnerLane): each makes one call, and they swap.
   template <class Atom, class Acc, class F>
   __device__ __forceinline__ void for_each_keep_pair(const Acc&, int lane, int64_t batch_head,
-                                                       int row0, int col0, F&& f) const {
+                                                     int row0, int col0, F&& f) const {
     constexpr int kFragsPerBlock = 32 / Atom::kN;
     constexpr int kBlocks = (Acc::kFragN + kFragsPerBlock - 1) / kFragsPerBlock;
     constexpr bool kSwap = Atom::kDropoutGroups == 2;
