@@ -19,6 +19,8 @@ def main() -> None:
                     help="B,H,L,E per configuration (fp16, L == S)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--volta", action="store_true", help="force the Volta atom")
+    ap.add_argument("--dropout", type=float, nargs="+", default=[0.0],
+                    help="dropout_p values, each run in turn per configuration")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     ops = torch.ops.flashv100
@@ -27,13 +29,14 @@ def main() -> None:
             b, h, n, e = (int(x) for x in spec.split(","))
             q, k, v = (torch.randn(b, h, n, e, device="cuda", dtype=torch.float16) for _ in range(3))
             dout = torch.randn_like(q)
-            for _ in range(args.warmup + 1):
-                out, lse, rng = ops._attention_forward(q, k, v, None, 0.0, int(args.causal),
-                                                       1.0 / math.sqrt(e))
-                ops._attention_backward(dout, q, k, v, None, out, lse, rng, 0.0, int(args.causal),
-                                        1.0 / math.sqrt(e), False, False)
-            torch.cuda.synchronize()
-            print("profiled", spec, "causal" if args.causal else "")
+            for p in args.dropout:
+                for _ in range(args.warmup + 1):
+                    out, lse, rng = ops._attention_forward(q, k, v, None, p, int(args.causal),
+                                                           1.0 / math.sqrt(e))
+                    ops._attention_backward(dout, q, k, v, None, out, lse, rng, p,
+                                            int(args.causal), 1.0 / math.sqrt(e), False, False)
+                torch.cuda.synchronize()
+                print("profiled", spec, f"dropout_p={p}", "causal" if args.causal else "")
 
 
 if __name__ == "__main__":
