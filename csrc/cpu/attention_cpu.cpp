@@ -39,7 +39,8 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
   const bool dropout = p.dropout.p > 0.0f;
   const uint32_t threshold = dropout_threshold(p.dropout.p);
 
-  std::vector<Acc> q(rows * dim), k(kBlockKV * dim), v(kBlockKV * dim_v), scores(rows * kBlockKV);
+  std::vector<Acc> q(rows * dim), k(kBlockKV * dim), v(kBlockKV * dim_v), scores(rows * kBlockKV),
+      keep(kBlockKV);
   std::vector<Acc> acc(rows * dim_v, Acc(0)), row_max(rows, static_cast<Acc>(kNegInf)),
       row_sum(rows, Acc(0));
   load_rows<Scalar>(p.q, p.q_strides, batch, head_q, row_begin, row_end, dim, q.data());
@@ -60,13 +61,14 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
       Acc* out_row = acc.data() + r * dim_v;
       row_sum[r] *= correction;
       for (int64_t e = 0; e < dim_v; ++e) out_row[e] *= correction;
+      if (dropout) {
+        dropout_row_factors(p.dropout, threshold, batch_head, row_begin + r, t.col_begin,
+                            t.col_end, keep.data());
+      }
       for (int64_t c = 0; c < t.cols(); ++c) {
         Acc prob = std::exp(s[c] - new_max);
         row_sum[r] += prob;
-        if (dropout) {
-          prob *= dropout_factor<Acc>(p.dropout, threshold, batch_head, row_begin + r,
-                                      t.col_begin + c);
-        }
+        if (dropout) prob *= keep[c];
         if (prob == Acc(0)) continue;
         const Acc* v_row = v.data() + c * dim_v;
         for (int64_t e = 0; e < dim_v; ++e) out_row[e] += prob * v_row[e];
@@ -153,17 +155,19 @@ void for_each_grad_element(const BackwardParams& p, const Tile& t, const RowTile
   const bool dropout = f.dropout.p > 0.0f;
   const uint32_t threshold = dropout_threshold(f.dropout.p);
   tile_scores(f, t, rows.q.data(), k, scores);
+  std::vector<Acc> keep(t.cols(), Acc(1));
   for (int64_t r = 0; r < t.rows(); ++r) {
     if (rows.lse[r] == static_cast<Acc>(kNegInf)) continue;  // fully hidden row: zero grads
+    if (dropout) {
+      dropout_row_factors(f.dropout, threshold, batch_head, t.row_begin + r, t.col_begin,
+                          t.col_end, keep.data());
+    }
     for (int64_t c = 0; c < t.cols(); ++c) {
       const Acc s = scores[r * t.cols() + c];
       if (s == static_cast<Acc>(kNegInf)) continue;
       const Acc prob = std::exp(s - rows.lse[r]) * rows.norm[r];
-      const Acc keep = dropout ? dropout_factor<Acc>(f.dropout, threshold, batch_head,
-                                                     t.row_begin + r, t.col_begin + c)
-                               : Acc(1);
-      const Acc dprob = keep * dot(rows.dout.data() + r * dim_v, v + c * dim_v, dim_v);
-      visit(r, c, prob, keep, prob * (dprob - rows.delta[r]));
+      const Acc dprob = keep[c] * dot(rows.dout.data() + r * dim_v, v + c * dim_v, dim_v);
+      visit(r, c, prob, keep[c], prob * (dprob - rows.delta[r]));
     }
   }
 }
@@ -370,11 +374,11 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t 
   bool* data = keep.data_ptr<bool>();
   const uint32_t threshold = dropout_threshold(d.p);
   at::parallel_for(0, batch * heads * len_q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> factors(len_kv);
     for (int64_t row_id = begin; row_id < end; ++row_id) {
-      for (int64_t col = 0; col < len_kv; ++col) {
-        data[row_id * len_kv + col] =
-            dropout_factor<float>(d, threshold, row_id / len_q, row_id % len_q, col) != 0.0f;
-      }
+      dropout_row_factors(d, threshold, row_id / len_q, row_id % len_q, 0, len_kv,
+                          factors.data());
+      for (int64_t col = 0; col < len_kv; ++col) data[row_id * len_kv + col] = factors[col] != 0.0f;
     }
   });
   return keep;

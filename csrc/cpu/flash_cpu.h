@@ -99,14 +99,25 @@ void tile_scores(const ForwardParams& p, const Tile& t, const Acc* q, const Acc*
   }
 }
 
-// Dropout keep factor of element (row, col): 0 if dropped, 1 / (1 - p) if kept.
+// Dropout factors of row `row`, columns [col_begin, col_end), into factors[0, col_end - col_begin):
+// 0 if dropped, 1 / (1 - p) if kept. One Philox call per column group of common/philox.h (8
+// columns), not one per element.
 template <typename Acc>
-Acc dropout_factor(const DropoutParams& d, uint32_t threshold, int64_t batch_head, int64_t row,
-                   int64_t col) {
-  const Philox4 bits = dropout_call(d.seed, d.offset, batch_head, row, col);
-  return dropout_uniform16(bits, col) >= threshold
-             ? static_cast<Acc>(1.0 / (1.0 - static_cast<double>(d.p)))
-             : Acc(0);
+void dropout_row_factors(const DropoutParams& d, uint32_t threshold, int64_t batch_head,
+                         int64_t row, int64_t col_begin, int64_t col_end, Acc* factors) {
+  const Acc kept = static_cast<Acc>(1.0 / (1.0 - static_cast<double>(d.p)));
+  for (int64_t block = col_begin / 32 * 32; block < col_end; block += 32) {
+    for (int64_t t = 0; t < 4; ++t) {
+      const Philox4 bits = dropout_call(d.seed, d.offset, batch_head, row, block + 2 * t);
+      for (int64_t j = 0; j < 4; ++j) {
+        for (int64_t e = 0; e < 2; ++e) {
+          const int64_t col = block + 8 * j + 2 * t + e;
+          if (col >= col_begin && col < col_end)
+            factors[col - col_begin] = dropout_uniform16(bits, col) >= threshold ? kept : Acc(0);
+        }
+      }
+    }
+  }
 }
 
 // The column range [0, end) of keys that any row of [row_begin, row_end) can see.
