@@ -80,6 +80,11 @@ struct ForwardParams {
   DropoutParams dropout;
 };
 
+// |lse| from which lse = max + log(sum) carries log(sum) no better than to 2^-7 (fp32 spacing),
+// and not at all under finfo.min biases: the backward recounts such rows' normalizer from their
+// scores (CPU: saturated_row_norms; CUDA: recount_saturated_row).
+constexpr float kSaturatedLse = 65536.0f;
+
 struct BackwardParams {
   ForwardParams fwd;  // inputs, out and lse as saved by the forward
   const void* dout = nullptr;

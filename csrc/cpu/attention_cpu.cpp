@@ -127,7 +127,7 @@ std::vector<Acc> saturated_row_norms(const ForwardParams& f, const Acc* lse) {
         std::vector<Acc> q(dim), k(kBlockKV * dim), scores(kBlockKV);
         for (int64_t row = row_begin; row < row_end; ++row) {
           const Acc l = lse[offset + row];
-          if (l == static_cast<Acc>(kNegInf) || std::abs(l) < Acc(65536)) continue;
+          if (l == static_cast<Acc>(kNegInf) || std::abs(l) < static_cast<Acc>(kSaturatedLse)) continue;
           load_rows<Scalar>(f.q, f.q_strides, batch, head_q, row, row + 1, dim, q.data());
           Acc sum = 0;
           const int64_t cols_end = visible_cols_end(f, row, row + 1);

@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParam
   if (lane == 0) dsum[row] = d_row;
   if constexpr (!kGeneral) return;
   float base = f.lse[row], log2_norm = 0.0f;
-  if (fabsf(base) >= 65536.0f && fabsf(base) != pos_inf() &&
+  if (fabsf(base) >= kSaturatedLse && fabsf(base) != pos_inf() &&
       warp_row_nonzero(g, f.shape.head_dim, lane)) {
     recount_saturated_row<Elem>(p, b, h, static_cast<int>(i), lane, base, log2_norm);
   }
