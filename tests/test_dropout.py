@@ -52,14 +52,14 @@ def _philox4x32_7(counter, key):
 
 def _documented_keep(seed, offset, batch_head, row, col, p):
     """The keep decision common/philox.h documents: one call per row, 32-column block and
-    (col / 2) % 4; the 16-bit half (col % 2) of word (col / 8) % 4; keep iff >= round(p * 2^16)
-    with p as the kernels' float32."""
+    (col / 2) % 4; the 16-bit half (col % 2) of word (col / 8) % 4; keep iff
+    >= min(round(p * 2^16), 2^16 - 1) with p as the kernels' float32."""
     group = ((col >> 5) << 2) | ((col >> 1) & 3)
     words = _philox4x32_7((group, row, batch_head, offset & _U32),
                           (seed & _U32, (seed >> 32) ^ (offset >> 32)))
     uniform16 = (words[(col >> 3) & 3] >> (16 * (col & 1))) & 0xFFFF
     p32 = float(torch.tensor(p, dtype=torch.float32))
-    return uniform16 >= int(p32 * 65536.0 + 0.5)
+    return uniform16 >= min(int(p32 * 65536.0 + 0.5), 0xFFFF)
 
 
 def test_mask_matches_documented_philox_stream(device):

@@ -9,7 +9,8 @@
 // fragments, so the fused kernels use every call whole; any other traversal (CPU, the mask
 // kernel) just recomputes the call of each element.
 // Column c uses 16-bit half (c & 1) of word (c >> 3) & 3. A 16-bit threshold resolves the drop
-// probability to 2^-16 (|error| <= 2^-17, e.g. p = 0.1 drops with probability 0.100006).
+// probability to 2^-16 (|error| <= 2^-17 up to p = 1 - 2^-17, e.g. p = 0.1 drops with
+// probability 0.100006).
 #pragma once
 
 #include "common/fixed_width_types.h"
@@ -27,9 +28,16 @@ struct Philox4 {
 };
 
 FLASHV100_HOST_DEVICE uint32_t mulhilo32(uint32_t a, uint32_t b, uint32_t* hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // One IMAD.WIDE.U32 either way, but the 64-bit product also makes ptxas add a zero high word
+  // to every hi (one wasted integer instruction per multiply).
+  *hi = __umulhi(a, b);
+  return a * b;
+#else
   const uint64_t product = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
   *hi = static_cast<uint32_t>(product >> 32);
   return static_cast<uint32_t>(product);
+#endif
 }
 
 FLASHV100_HOST_DEVICE Philox4 philox4x32_7(Philox4 counter, uint32_t key0, uint32_t key1) {
@@ -49,19 +57,30 @@ FLASHV100_HOST_DEVICE Philox4 philox4x32_7(Philox4 counter, uint32_t key0, uint3
   return counter;
 }
 
-// Drop threshold on a 16-bit uniform: keep iff bits >= threshold. round(p * 2^16), in [0, 2^16].
+// Drop threshold on a 16-bit uniform: keep iff bits >= threshold. round(p * 2^16), at most
+// 2^16 - 1 (so that threshold << 16 fits the 32-bit compare of the kernels; p in [0, 1) only
+// reaches 2^16 above 1 - 2^-17, where this keeps with probability 2^-16 instead of 0).
 FLASHV100_HOST_DEVICE uint32_t dropout_threshold(float p) {
-  return static_cast<uint32_t>(static_cast<double>(p) * 65536.0 + 0.5);
+  const uint32_t rounded = static_cast<uint32_t>(static_cast<double>(p) * 65536.0 + 0.5);
+  return rounded < 65535u ? rounded : 65535u;
 }
 
+// The per-run part of every call: the key and the counter word the (seed, offset) pair sets.
+struct DropoutStream {
+  uint32_t key0, key1, offset_word;
+  FLASHV100_HOST_DEVICE DropoutStream(uint64_t seed, uint64_t offset)
+      : key0(static_cast<uint32_t>(seed)),
+        key1(static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32)),
+        offset_word(static_cast<uint32_t>(offset)) {}
+};
+
 // The Philox call holding the bits of element (row, col) of head `batch_head` (= b * Hq + h).
-FLASHV100_HOST_DEVICE Philox4 dropout_call(uint64_t seed, uint64_t offset, uint64_t batch_head,
+FLASHV100_HOST_DEVICE Philox4 dropout_call(const DropoutStream& stream, uint64_t batch_head,
                                            uint64_t row, uint64_t col) {
   const uint32_t group = static_cast<uint32_t>(((col >> 5) << 2) | ((col >> 1) & 3));
   const Philox4 counter{group, static_cast<uint32_t>(row), static_cast<uint32_t>(batch_head),
-                        static_cast<uint32_t>(offset)};
-  return philox4x32_7(counter, static_cast<uint32_t>(seed),
-                      static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32));
+                        stream.offset_word};
+  return philox4x32_7(counter, stream.key0, stream.key1);
 }
 
 // Word `index` (0..3) of a call: the 16-bit uniforms of columns 8 index + 2 t + {0, 1}.

@@ -106,9 +106,10 @@ template <typename Acc>
 void dropout_row_factors(const DropoutParams& d, uint32_t threshold, int64_t batch_head,
                          int64_t row, int64_t col_begin, int64_t col_end, Acc* factors) {
   const Acc kept = static_cast<Acc>(1.0 / (1.0 - static_cast<double>(d.p)));
+  const DropoutStream stream(d.seed, d.offset);
   for (int64_t block = col_begin / 32 * 32; block < col_end; block += 32) {
     for (int64_t t = 0; t < 4; ++t) {
-      const Philox4 bits = dropout_call(d.seed, d.offset, batch_head, row, block + 2 * t);
+      const Philox4 bits = dropout_call(stream, batch_head, row, block + 2 * t);
       for (int64_t j = 0; j < 4; ++j) {
         for (int64_t e = 0; e < 2; ++e) {
           const int64_t col = block + 8 * j + 2 * t + e;

@@ -84,8 +84,8 @@ at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t
       at::empty({batch, heads, len_q, len_kv}, rng_state.options().dtype(at::kBool));
   const int64_t rows = batch * heads * len_q;
   if (keep.numel() == 0) return keep;
-  const int64_t groups = rows * ((len_kv + 3) / 4);
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(groups, 256), 65536));
+  const int64_t calls = rows * ceil_div(len_kv, 32) * 4;  // one thread per Philox call
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(calls, 256), 65536));
   kern::dropout_mask_kernel<<<blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
       rng_state.data_ptr<int64_t>(), reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()), rows,
       len_q, len_kv, dropout_threshold(static_cast<float>(dropout_p)));

@@ -112,16 +112,17 @@ struct HeadMask {
 // reading the forward's rng_state).
 struct Dropout {
   bool enabled;
-  uint64_t seed = 0, offset = 0;
-  uint32_t threshold = 0;
+  DropoutStream stream{0, 0};
+  uint32_t threshold_high = 0;  // the drop threshold in the high 16 bits: one compare per uniform
   float inv_keep = 1.0f;
 
   __device__ __forceinline__ explicit Dropout(const DropoutParams& d) : enabled(d.p > 0.0f) {
     if (!enabled) return;
-    seed = d.seed_ptr != nullptr ? static_cast<uint64_t>(*d.seed_ptr) : d.seed;
-    offset = d.offset_ptr != nullptr ? static_cast<uint64_t>(*d.offset_ptr) + d.offset_intragraph
-                                     : d.offset;
-    threshold = dropout_threshold(d.p);
+    stream = DropoutStream(
+        d.seed_ptr != nullptr ? static_cast<uint64_t>(*d.seed_ptr) : d.seed,
+        d.offset_ptr != nullptr ? static_cast<uint64_t>(*d.offset_ptr) + d.offset_intragraph
+                                : d.offset);
+    threshold_high = dropout_threshold(d.p) << 16;
     inv_keep = 1.0f / (1.0f - d.p);
   }
   // f(fm, fn, i, keep_i, keep_i+1) with the keep decisions of each horizontal pair (i, i + 1) of a
@@ -147,7 +148,7 @@ struct Dropout {
       return ((col0_in_block + Acc::col_of(l, fn, i)) >> 3) & 3;
     };
     const auto apply = [&](int fm, int fn, int i, uint32_t pair_bits) {
-      f(fm, fn, i, (pair_bits & 0xFFFFu) >= threshold, (pair_bits >> 16) >= threshold);
+      f(fm, fn, i, (pair_bits << 16) >= threshold_high, pair_bits >= threshold_high);
     };
     const int own_group = kSwap && (lane & Atom::kDropoutPartnerLane) != 0 ? 1 : 0;
 #pragma unroll
@@ -158,7 +159,7 @@ struct Dropout {
         for (int block = 0; block < kBlocks; ++block) {
           const int fn0 = block * kFragsPerBlock;
           const int own_pair = own_group ? first_pair<Atom>(slot, 1) : first_pair<Atom>(slot, 0);
-          const Philox4 bits = dropout_call(seed, offset, batch_head,
+          const Philox4 bits = dropout_call(stream, batch_head,
                                             row0 + Acc::row_of(lane, fm, slot),
                                             col0 + Acc::col_of(lane, fn0, own_pair));
 #pragma unroll

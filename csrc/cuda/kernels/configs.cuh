@@ -59,6 +59,13 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kGeneral_> {
   static constexpr int kPElems = Atom::kAccumIsA ? 0 : T::kBlockM * kLdP;
   static constexpr int kSmemBytes = (kPOffset + kPElems) * 2;
   static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "forward tile exceeds shared memory");
+  // Resident blocks per SM asked of ptxas (0: its choice). The Volta atom on sm_80+ (its
+  // correctness path there) asks for 1: else ptxas spills its general variant to fit a third block.
+#if defined(__CUDA_ARCH__)
+  static constexpr int kMinBlocks = Atom::kNativeArch < 800 && __CUDA_ARCH__ >= 800 ? 1 : 0;
+#else
+  static constexpr int kMinBlocks = 0;
+#endif
 };
 
 // Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N] (over the

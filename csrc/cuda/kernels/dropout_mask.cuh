@@ -8,25 +8,27 @@
 namespace flashv100 {
 namespace kern {
 
-// One thread per 8 consecutive columns. Their bits come from four Philox calls (the column
-// groups of philox.h); this materialization is for tests and the fallback, not a hot path.
+// One thread per Philox call: row, 32-column block b and column group t, whose 8 uniforms
+// decide the columns 32 b + 8 j + 2 t + e (common/philox.h). This materialization is for tests
+// and the fallback, not a hot path.
 __global__ void __launch_bounds__(256)
     dropout_mask_kernel(const int64_t* rng_state, uint8_t* keep, int64_t rows, int64_t len_q,
                         int64_t len_kv, uint32_t threshold) {
-  const int64_t groups_per_row = (len_kv + 7) / 8;
-  const uint64_t seed = static_cast<uint64_t>(rng_state[0]);
-  const uint64_t offset = static_cast<uint64_t>(rng_state[1]);
+  const int64_t calls_per_row = (len_kv + 31) / 32 * 4;
+  const DropoutStream stream(static_cast<uint64_t>(rng_state[0]),
+                             static_cast<uint64_t>(rng_state[1]));
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       idx < rows * groups_per_row; idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = idx / groups_per_row, col0 = (idx % groups_per_row) * 8;
+       idx < rows * calls_per_row; idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = idx / calls_per_row, call = idx % calls_per_row;
+    const int64_t col0 = (call / 4) * 32 + (call % 4) * 2;  // j = 0, e = 0 of the call
+    const Philox4 bits = dropout_call(stream, row / len_q, row % len_q, col0);
 #pragma unroll
-    for (int x = 0; x < 8; x += 2) {
-      const Philox4 bits = dropout_call(seed, offset, row / len_q, row % len_q, col0 + x);
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (col0 + x + e < len_kv)
-          keep[row * len_kv + col0 + x + e] = dropout_uniform16(bits, col0 + x + e) >= threshold;
-    }
+      for (int e = 0; e < 2; ++e) {
+        const int64_t col = col0 + 8 * j + e;
+        if (col < len_kv) keep[row * len_kv + col] = dropout_uniform16(bits, col) >= threshold;
+      }
   }
 }
 

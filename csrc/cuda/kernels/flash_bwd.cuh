@@ -148,17 +148,20 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     }
   });
   if (Cfg::kGeneral && dropout.enabled) {
-    // dS = P (dP Z / (1 - p) - D) with keep mask Z; P Z is stored, dV takes the 1 / (1 - p).
+    // With the dropout factor z = Z / (1 - p) (keep mask Z): dS = P (dP z - D), and P z is
+    // what dV multiplies. One select per entry; the rest are FMA-pipe products.
     const float inv_keep = dropout.inv_keep;
     dropout.for_each_keep_pair<Atom>(
         s, lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
           const float d_row = dsum[fm][Atom::row_slot(i)];
-          float* prob = &s.c[fm][fn][i];
-          float* ds = &dp.c[fm][fn][i];
-          ds[0] = prob[0] * (k0 ? fmaf(ds[0], inv_keep, -d_row) : -d_row);
-          ds[1] = prob[1] * (k1 ? fmaf(ds[1], inv_keep, -d_row) : -d_row);
-          if (!k0) prob[0] = 0.0f;
-          if (!k1) prob[1] = 0.0f;
+          const float z[2] = {k0 ? inv_keep : 0.0f, k1 ? inv_keep : 0.0f};
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& prob = s.c[fm][fn][i + e];
+            float& ds = dp.c[fm][fn][i + e];
+            ds = prob * fmaf(ds, z[e], -d_row);
+            prob *= z[e];
+          }
         });
   } else {
     dp.for_each_zip(s, [&](int fm, int sl, float& ds, float& prob) {
@@ -387,7 +390,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
                            [&](int, int) { return scale; });
   store_accum_global<Elem>(dv, head_ptr(p.dv, p.dv_strides, b, hk, n0 + kv_r0) + kv_c0,
                            p.dv_strides.row, rows_valid, d - kv_c0, lane,
-                           [&](int, int) { return kGeneral ? dropout.inv_keep : 1.0f; });
+                           [](int, int) { return 1.0f; });
 }
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.

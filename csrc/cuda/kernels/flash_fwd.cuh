@@ -18,7 +18,8 @@ namespace kern {
 
 // kGeneral: the problem has an attn_mask and/or dropout (see configs.cuh).
 template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
+__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
+                                  FwdConfig<Atom, kHeadDim, kGeneral>::kMinBlocks)
     flash_fwd_kernel(const ForwardParams p) {
   using Cfg = FwdConfig<Atom, kHeadDim, kGeneral>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;

@@ -38,6 +38,7 @@ struct VoltaAtom {
   static constexpr bool kAccumIsA = false;
   static constexpr bool kAsyncCopy = false;
   static constexpr int kMaxSmemBytes = 96 * 1024;
+  static constexpr int kNativeArch = 700;
 
   static __device__ __forceinline__ int a_row(int lane, int) {
     return ((lane >> 2) & 1) * 8 + (lane >> 4) * 4 + (lane & 3);
@@ -82,6 +83,7 @@ struct AmpereAtom {
   static constexpr bool kAccumIsA = true;
   static constexpr bool kAsyncCopy = true;        // sm_80+
   static constexpr int kMaxSmemBytes = 99 * 1024;  // sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
+  static constexpr int kNativeArch = 800;
 
   // The A fragment (16 rows x 16 k) made of two accumulator tiles (16 rows x 8 cols each) that
   // sit side by side along k: A register j holds (row + 8 (j & 1), col + 8 (j >> 1)), exactly the
