@@ -32,13 +32,13 @@ void debug_log(const char* op, const char* path, const char* reason) {
                  reason ? reason : "");
 }
 
-void debug_kernel(const char* kernel, int head_dim_bucket, bool general, int block_m, int block_n,
+void debug_kernel(const char* kernel, int head_dim_bucket, const char* variant, int block_m,
+                  int block_n,
                   int threads, int smem_bytes) {
   if (debug_enabled())
     std::fprintf(stderr,
                  "[flashv100]   %s<head dim %d, %s>: tile %d x %d, %d threads, %d B shared\n",
-                 kernel, head_dim_bucket, general ? "mask/dropout" : "plain", block_m, block_n,
-                 threads, smem_bytes);
+                 kernel, head_dim_bucket, variant, block_m, block_n, threads, smem_bytes);
 }
 
 namespace {

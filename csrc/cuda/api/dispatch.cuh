@@ -17,24 +17,36 @@ namespace cuda {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Calls f(Atom{}, Elem{}, std::integral_constant<int, bucket>{}, std::bool_constant<general>{})
-// for the compiled kernel variant of this problem.
+template <kern::Variant V>
+using VariantTag = std::integral_constant<kern::Variant, V>;
+
+// Calls f(Atom{}, Elem{}, std::integral_constant<int, bucket>{}, VariantTag<variant>{}) for the
+// compiled kernel of this problem.
 template <class F>
-void dispatch(MmaAtom atom, at::ScalarType dtype, int64_t head_dim, bool general, F&& f) {
-  auto by_head_dim = [&](auto atom_tag, auto elem_tag, auto general_tag) {
+void dispatch(MmaAtom atom, at::ScalarType dtype, int64_t head_dim, kern::Variant variant, F&& f) {
+  auto by_head_dim = [&](auto atom_tag, auto elem_tag, auto variant_tag) {
     switch (kern::head_dim_bucket(static_cast<int>(head_dim))) {
 #define FLASHV100_CASE(D) \
-  case D: f(atom_tag, elem_tag, std::integral_constant<int, D>{}, general_tag); break;
+  case D: f(atom_tag, elem_tag, std::integral_constant<int, D>{}, variant_tag); break;
       FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_CASE)
 #undef FLASHV100_CASE
       default: TORCH_CHECK(false, "flashv100: no kernel for head dim ", head_dim);
     }
   };
   auto by_variant = [&](auto atom_tag, auto elem_tag) {
-    if (general) {
-      by_head_dim(atom_tag, elem_tag, std::true_type{});
-    } else {
-      by_head_dim(atom_tag, elem_tag, std::false_type{});
+    switch (variant) {
+      case kern::Variant::kPlain:
+        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kPlain>{});
+        break;
+      case kern::Variant::kMasked:
+        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kMasked>{});
+        break;
+      case kern::Variant::kDropout:
+        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kDropout>{});
+        break;
+      case kern::Variant::kMaskedDropout:
+        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kMaskedDropout>{});
+        break;
     }
   };
   if (atom == MmaAtom::kVoltaM8N8K4) {
@@ -46,10 +58,12 @@ void dispatch(MmaAtom atom, at::ScalarType dtype, int64_t head_dim, bool general
   }
 }
 
-// Masks and dropout need the general kernel variant, and so does a scale that is not positive
-// (the plain variant takes row maxima of unscaled scores).
-inline bool is_general(const ForwardParams& p) {
-  return p.mask.kind != MaskKind::kNone || p.dropout.p > 0.0f || !(p.scale > 0.0);
+// Masks need the general score math, and so does a scale that is not positive (the plain math
+// takes row maxima of unscaled scores); dropout its own variants.
+inline kern::Variant variant_of(const ForwardParams& p) {
+  const bool general = p.mask.kind != MaskKind::kNone || !(p.scale > 0.0);
+  if (p.dropout.p > 0.0f) return general ? kern::Variant::kMaskedDropout : kern::Variant::kDropout;
+  return general ? kern::Variant::kMasked : kern::Variant::kPlain;
 }
 
 // Opts a kernel into > 48 KB of dynamic shared memory (once per kernel and device is enough, but

@@ -53,7 +53,8 @@ at::Tensor fallback_backward(const at::Tensor& grad_out, const at::Tensor& query
 // kernel launch with its tile configuration and dynamic shared memory.
 bool debug_enabled();
 void debug_log(const char* op, const char* path, const char* reason);
-void debug_kernel(const char* kernel, int head_dim_bucket, bool general, int block_m, int block_n,
+void debug_kernel(const char* kernel, int head_dim_bucket, const char* variant, int block_m,
+                  int block_n,
                   int threads, int smem_bytes);
 
 }  // namespace cuda

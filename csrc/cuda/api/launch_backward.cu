@@ -16,7 +16,8 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
   const AttentionShape& s = p.fwd.shape;
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
                                                                  c10::cuda::current_device());
-  const bool general = is_general(p.fwd);
+  const kern::Variant variant = variant_of(p.fwd);
+  const bool general = kern::is_general(variant);
   const int64_t rows = s.batch * s.heads_q * s.len_q;
   // Per query row: D, then for the general variant BackwardParams::row_base and row_log2_norm.
   const at::Tensor row_vectors = at::empty({(general ? 3 : 1) * rows}, f32);
@@ -25,13 +26,14 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
     p.row_base = dsum + rows;
     p.row_log2_norm = dsum + 2 * rows;
   }
-  dispatch(atom, dtype, s.head_dim, general,
-           [&](auto atom_tag, auto elem_tag, auto dim, auto general_tag) {
+  dispatch(atom, dtype, s.head_dim, variant,
+           [&](auto atom_tag, auto elem_tag, auto dim, auto variant_tag) {
     using Atom = decltype(atom_tag);
     using Elem = decltype(elem_tag);
     constexpr int D = decltype(dim)::value;
-    constexpr bool G = decltype(general_tag)::value;
-    using Cfg = kern::BwdConfig<Atom, D, G>;
+    constexpr kern::Variant V = decltype(variant_tag)::value;
+    constexpr bool G = kern::is_general(V);
+    using Cfg = kern::BwdConfig<Atom, D, V>;
     using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
     at::Tensor dq_accum;
     if (!p.deterministic) {
@@ -40,9 +42,9 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
     kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(rows, 4), 128, 0, stream>>>(p, dsum);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, G>;
+    const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V>;
     set_smem(dkdv, Cfg::kSmemBytes);
-    debug_kernel("flash_bwd_dkdv", D, G, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
+    debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
                  Cfg::kSmemBytes);
     const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
     dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
@@ -50,13 +52,13 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     if (p.deterministic) {
-      const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, G>;
+      const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, V>;
       set_smem(dq, Cfg::kSmemBytes);
       const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
       dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum);
     } else {
       const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
-      kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, G>
+      kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V>
           <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_accum.data_ptr<float>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();

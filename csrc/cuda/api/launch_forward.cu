@@ -11,14 +11,14 @@ namespace cuda {
 void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor key_range = attach_mask_key_ranges(p);
-  dispatch(atom, dtype, p.shape.head_dim, is_general(p),
-           [&](auto atom_tag, auto elem_tag, auto dim, auto general) {
+  dispatch(atom, dtype, p.shape.head_dim, variant_of(p),
+           [&](auto atom_tag, auto elem_tag, auto dim, auto variant) {
     constexpr int D = decltype(dim)::value;
-    constexpr bool G = decltype(general)::value;
-    using Cfg = kern::FwdConfig<decltype(atom_tag), D, G>;
-    const auto kernel = kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, G>;
+    constexpr kern::Variant V = decltype(variant)::value;
+    using Cfg = kern::FwdConfig<decltype(atom_tag), D, V>;
+    const auto kernel = kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, V>;
     set_smem(kernel, Cfg::kSmemBytes);
-    debug_kernel("flash_fwd", D, G, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads, Cfg::kSmemBytes);
+    debug_kernel("flash_fwd", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads, Cfg::kSmemBytes);
     const dim3 grid(ceil_div(p.shape.len_q, Cfg::kBlockM), p.shape.batch * p.shape.heads_q);
     kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

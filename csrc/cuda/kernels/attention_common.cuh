@@ -107,34 +107,36 @@ struct HeadMask {
   }
 };
 
-// Dropout on attention probabilities with the Philox keep bits of common/philox.h. Seed and offset
-// come from device memory when the launcher passes pointers (CUDA graph capture, and the backward
-// reading the forward's rng_state).
+// Dropout on attention probabilities with the Philox keep bits of common/philox.h (the kDropout
+// kernel variants; p > 0). Seed and offset come from device memory when the launcher passes
+// pointers (CUDA graph capture, and the backward reading the forward's rng_state).
 struct Dropout {
-  bool enabled;
-  DropoutStream stream{0, 0};
-  uint32_t threshold_high = 0;  // the drop threshold in the high 16 bits: one compare per uniform
-  float inv_keep = 1.0f;
+  const DropoutParams& params;  // a kernel parameter: read where used, holding no register
+  DropoutStream stream;
 
-  __device__ __forceinline__ explicit Dropout(const DropoutParams& d) : enabled(d.p > 0.0f) {
-    if (!enabled) return;
-    stream = DropoutStream(
-        d.seed_ptr != nullptr ? static_cast<uint64_t>(*d.seed_ptr) : d.seed,
-        d.offset_ptr != nullptr ? static_cast<uint64_t>(*d.offset_ptr) + d.offset_intragraph
-                                : d.offset);
-    threshold_high = dropout_threshold(d.p) << 16;
-    inv_keep = 1.0f / (1.0f - d.p);
+  __device__ __forceinline__ explicit Dropout(const DropoutParams& d)
+      : params(d),
+        stream(d.seed_ptr != nullptr ? static_cast<uint64_t>(*d.seed_ptr) : d.seed,
+               d.offset_ptr != nullptr
+                   ? static_cast<uint64_t>(*d.offset_ptr) + d.offset_intragraph
+                   : d.offset) {}
+  // 1 / (1 - p), the scale of kept entries.
+  __device__ __forceinline__ float inv_keep() const { return 1.0f / (1.0f - params.p); }
+  // The drop threshold in the high 16 bits: one compare per 16-bit uniform.
+  __device__ __forceinline__ uint32_t threshold_high() const {
+    return dropout_threshold(params.p) << 16;
   }
   // f(fm, fn, i, keep_i, keep_i+1) with the keep decisions of each horizontal pair (i, i + 1) of a
   // warp tile whose (r, c) is query row0 + r, key col0 + c (the kernels apply the 1 / (1 - p) of
-  // kept entries, inv_keep, once per output element instead of per entry); col0 must be a
+  // kept entries, inv_keep(), once per output element instead of per entry); col0 must be a
   // multiple of the tile's width. The pairs of a row that share a Philox call (a 32-column block
-  // and a column group, common/philox.h) are visited together, so that no call is made twice.
-  // Atoms whose fragment rows span two groups pair each lane with the lane holding the other
-  // words of the same two calls (Atom::kDropoutPartnerLane): each makes one call, and they swap.
+  // and a column group, common/philox.h) are visited together, right after the call, so that no
+  // call is made twice and few are live at once. Atoms whose fragment rows span two groups pair
+  // each lane with the lane holding the other words of the same two calls
+  // (Atom::kDropoutPartnerLane): each makes one call, and they swap.
   template <class Atom, class Acc, class F>
-  __device__ __forceinline__ void for_each_keep_pair(const Acc&, int lane, int64_t batch_head,
-                                                     int row0, int col0, F&& f) const {
+  __device__ __forceinline__ void for_each_keep_pair(int lane, int64_t batch_head, int row0,
+                                                     int col0, F&& f) const {
     constexpr int kFragsPerBlock = 32 / Atom::kN;
     constexpr int kBlocks = (Acc::kFragN + kFragsPerBlock - 1) / kFragsPerBlock;
     constexpr bool kSwap = Atom::kDropoutGroups == 2;
@@ -147,10 +149,11 @@ struct Dropout {
     const auto word_of = [&](int l, int fn, int i) {
       return ((col0_in_block + Acc::col_of(l, fn, i)) >> 3) & 3;
     };
+    const uint32_t threshold = threshold_high();
     const auto apply = [&](int fm, int fn, int i, uint32_t pair_bits) {
-      f(fm, fn, i, (pair_bits << 16) >= threshold_high, pair_bits >= threshold_high);
+      f(fm, fn, i, (pair_bits << 16) >= threshold, pair_bits >= threshold);
     };
-    const int own_group = kSwap && (lane & Atom::kDropoutPartnerLane) != 0 ? 1 : 0;
+    const int group = kSwap && (lane & Atom::kDropoutPartnerLane) != 0 ? 1 : 0;
 #pragma unroll
     for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
@@ -158,26 +161,24 @@ struct Dropout {
 #pragma unroll
         for (int block = 0; block < kBlocks; ++block) {
           const int fn0 = block * kFragsPerBlock;
-          const int own_pair = own_group ? first_pair<Atom>(slot, 1) : first_pair<Atom>(slot, 0);
-          const Philox4 bits = dropout_call(stream, batch_head,
-                                            row0 + Acc::row_of(lane, fm, slot),
+          const int own_pair = group ? first_pair<Atom>(slot, 1) : first_pair<Atom>(slot, 0);
+          const Philox4 bits = dropout_call(stream, batch_head, row0 + Acc::row_of(lane, fm, slot),
                                             col0 + Acc::col_of(lane, fn0, own_pair));
 #pragma unroll
           for (int fn = fn0; fn < fn0 + kFragsPerBlock && fn < Acc::kFragN; ++fn) {
             if constexpr (kSwap) {
               // The partner holds the other words of my call in its pair of my group.
               const uint32_t received = __shfl_xor_sync(
-                  0xffffffffu, philox_word(bits, word_of(lane ^ Atom::kDropoutPartnerLane, fn,
-                                                         own_pair)),
+                  0xffffffffu,
+                  philox_word(bits, word_of(lane ^ Atom::kDropoutPartnerLane, fn, own_pair)),
                   Atom::kDropoutPartnerLane);
               const uint32_t own = philox_word(bits, word_of(lane, fn, own_pair));
-              apply(fm, fn, first_pair<Atom>(slot, 0), own_group == 0 ? own : received);
-              apply(fm, fn, first_pair<Atom>(slot, 1), own_group == 1 ? own : received);
+              apply(fm, fn, first_pair<Atom>(slot, 0), group == 0 ? own : received);
+              apply(fm, fn, first_pair<Atom>(slot, 1), group == 1 ? own : received);
             } else {
 #pragma unroll
               for (int i = 0; i < Atom::kCRegs; i += 2)
-                if (Atom::row_slot(i) == slot)
-                  apply(fm, fn, i, philox_word(bits, word_of(lane, fn, i)));
+                if (Atom::row_slot(i) == slot) apply(fm, fn, i, philox_word(bits, word_of(lane, fn, i)));
             }
           }
         }

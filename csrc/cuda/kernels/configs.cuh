@@ -19,31 +19,52 @@ constexpr __host__ __device__ int head_dim_bucket(int d) {
   return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
 
-// Each kernel comes in two variants: plain, and kGeneral (attn_mask and/or dropout). The general
-// variant carries per-element mask reads and Philox bits, so it gets smaller tiles where the plain
-// tiles would spill registers on sm_70 (checked by scripts/nvrtc_gate.py).
+// Each kernel comes in four variants: with or without an attn_mask (or a scale that is not
+// positive), with or without dropout. The masked ones use the general score math: scores scaled
+// and biased in natural-log units, P recomputed from a per-row base and log2 normalizer, so that
+// finfo.min biases stay exact; it costs 10-15% over the plain math, which dropout without a mask
+// keeps. Each variant carries only its own state and code, without runtime branches; variants
+// other than plain get smaller tiles where the plain tiles would spill registers (checked by
+// scripts/nvrtc_gate.py).
+enum class Variant { kPlain, kMasked, kDropout, kMaskedDropout };
+constexpr __host__ __device__ bool is_general(Variant v) {
+  return v == Variant::kMasked || v == Variant::kMaskedDropout;
+}
+constexpr __host__ __device__ bool has_dropout(Variant v) {
+  return v == Variant::kDropout || v == Variant::kMaskedDropout;
+}
+constexpr __host__ __device__ const char* variant_name(Variant v) {
+  return v == Variant::kPlain     ? "plain"
+         : v == Variant::kMasked  ? "mask"
+         : v == Variant::kDropout ? "dropout"
+                                  : "mask+dropout";
+}
 
 // Forward: each warp owns kBlockM / kWarps query rows and the whole key tile.
 // Volta: 16 rows per warp (P staged through shared memory, 64K registers per SM). Atoms with P
-// in registers take 32 rows per warp up to head dim 128, so each K/V fragment feeds two MMAs.
-template <class Atom, int kHeadDim, bool kGeneral>
+// in registers take 32 rows per warp up to head dim 128, so each K/V fragment feeds two MMAs;
+// not the dropout variant at head dim 128: its Philox calls fit next to 32 keys only with 16-row
+// warp tiles, which measured 1.6x faster than 32-row tiles of 16 keys (H200).
+template <class Atom, int kHeadDim, Variant kVariant>
 struct FwdTile {
-  static constexpr bool kWide = Atom::kAccumIsA && kHeadDim <= 128;
+  static constexpr bool kWide =
+      Atom::kAccumIsA && kHeadDim <= 128 && !(kHeadDim == 128 && kVariant == Variant::kDropout);
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWide ? 128 : 64;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
-  // (scripts/nvrtc_gate.py): 64 / 64 / 32 / 16, except 16 for the general variant at head dim 128
-  // with P in registers (its mask reads and Philox calls do not fit next to 32 keys).
-  static constexpr int kBlockN = kHeadDim <= 64                                   ? 64
-                                 : kHeadDim == 128 && !(Atom::kAccumIsA && kGeneral) ? 32
-                                                                                     : 16;
+  // (scripts/nvrtc_gate.py): 64 / 64 / 32 / 16, except 16 for the masked variants at head dim 128
+  // with 32-row warp tiles (mask reads, and Philox calls, do not fit next to 32 keys).
+  static constexpr int kBlockN = kHeadDim <= 64    ? 64
+                                 : kHeadDim == 128 ? (kWide && is_general(kVariant) ? 16 : 32)
+                                                   : 16;
 };
 
-template <class Atom, int kHeadDim_, bool kGeneral_>
-struct FwdConfig : FwdTile<Atom, kHeadDim_, kGeneral_> {
-  using T = FwdTile<Atom, kHeadDim_, kGeneral_>;
+template <class Atom, int kHeadDim_, Variant kVariant>
+struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant> {
+  using T = FwdTile<Atom, kHeadDim_, kVariant>;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kGeneral = kGeneral_;
+  static constexpr bool kGeneral = is_general(kVariant);
+  static constexpr bool kDropout = has_dropout(kVariant);
   static constexpr int kThreads = T::kWarps * 32;
   static constexpr int kWarpRows = T::kBlockM / T::kWarps;
   // V is stored transposed for atoms that read B fragments pair by pair (pairs along keys).
@@ -79,7 +100,7 @@ struct BwdTileShape {
                        kSWarps = kSWarps_, kWarpsNS = kWarpsNS_, kWarpsNKV = kWarpsNKV_,
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
-template <class Atom, int kHeadDim, bool kGeneral> struct BwdTile;
+template <class Atom, int kHeadDim, bool kSmall> struct BwdTile;
 // Volta: 16-row warp tiles (registers), smaller where the general variant would spill.
 template <> struct BwdTile<VoltaAtom, 32, false> : BwdTileShape<64, 64, 8, 4, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
@@ -95,11 +116,12 @@ template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8
 template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
 
-template <class Atom, int kHeadDim_, bool kGeneral_>
-struct BwdConfig : BwdTile<Atom, kHeadDim_, kGeneral_> {
-  using T = BwdTile<Atom, kHeadDim_, kGeneral_>;
+template <class Atom, int kHeadDim_, Variant kVariant>
+struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain> {
+  using T = BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain>;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kGeneral = kGeneral_;
+  static constexpr bool kGeneral = is_general(kVariant);
+  static constexpr bool kDropout = has_dropout(kVariant);
   static constexpr int kThreads = T::kWarps * 32;
   // Warp tiles of the three products.
   static constexpr int kSRows = T::kBlockM / (T::kSWarps / T::kWarpsNS);

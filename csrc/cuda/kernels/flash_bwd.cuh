@@ -147,12 +147,15 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
       x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));
     }
   });
-  if (Cfg::kGeneral && dropout.enabled) {
+  if constexpr (Cfg::kDropout) {
+    // A scheduling fence: without it ptxas starts the Philox calls among the exponentials and
+    // spills the mask + dropout variant (8-16 bytes at 255 registers, sm_80).
+    __syncwarp();
     // With the dropout factor z = Z / (1 - p) (keep mask Z): dS = P (dP z - D), and P z is
     // what dV multiplies. One select per entry; the rest are FMA-pipe products.
-    const float inv_keep = dropout.inv_keep;
-    dropout.for_each_keep_pair<Atom>(
-        s, lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
+    const float inv_keep = dropout.inv_keep();
+    dropout.for_each_keep_pair<Atom, Acc>(
+        lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
           const float d_row = dsum[fm][Atom::row_slot(i)];
           const float z[2] = {k0 ? inv_keep : 0.0f, k1 ? inv_keep : 0.0f};
 #pragma unroll
@@ -301,12 +304,12 @@ struct DqWorkspace {
 };
 
 // dK, dV for key tile blockIdx.x of (batch, kv head) blockIdx.y; optionally dQ by fp32 atomics
-// into dq_accum (a DqWorkspace). kGeneral: attn_mask and/or dropout. One block per SM is enough:
+// into dq_accum (a DqWorkspace). kVariant: see configs.cuh. One block per SM is enough:
 // the tiles are sized to the registers, and without it ptxas may trade spills for a second block.
-template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads, 1)
+template <class Atom, class Elem, int kHeadDim, Variant kVariant>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads, 1)
     flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum) {
-  using Cfg = BwdConfig<Atom, kHeadDim, kGeneral>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
   extern __shared__ uint4 smem_raw[];
   const BwdSmem<Cfg> sm(smem_raw);
@@ -394,10 +397,10 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
 }
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.
-template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
+template <class Atom, class Elem, int kHeadDim, Variant kVariant>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
     flash_bwd_dq_kernel(const BackwardParams p, const float* dsum) {
-  using Cfg = BwdConfig<Atom, kHeadDim, kGeneral>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   extern __shared__ uint4 smem_raw[];
   const BwdSmem<Cfg> sm(smem_raw);
@@ -439,10 +442,10 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
 
 // dq = scale * dq_accum (a DqWorkspace), converted to Elem and written with dq's strides: query
 // tile blockIdx.x of (batch, head) blockIdx.y, each warp reading back the registers it added.
-template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kGeneral>::kThreads)
+template <class Atom, class Elem, int kHeadDim, Variant kVariant>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
     flash_bwd_dq_convert_kernel(const BackwardParams p, const float* dq_accum) {
-  using Cfg = BwdConfig<Atom, kHeadDim, kGeneral>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
   using DqWs = DqWorkspace<Atom, Cfg>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const ForwardParams& f = p.fwd;

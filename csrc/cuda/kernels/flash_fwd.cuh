@@ -16,12 +16,13 @@
 namespace flashv100 {
 namespace kern {
 
-// kGeneral: the problem has an attn_mask and/or dropout (see configs.cuh).
-template <class Atom, class Elem, int kHeadDim, bool kGeneral>
-__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
-                                  FwdConfig<Atom, kHeadDim, kGeneral>::kMinBlocks)
+// kVariant: with or without attn_mask, with or without dropout (configs.cuh).
+template <class Atom, class Elem, int kHeadDim, Variant kVariant>
+__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
+                                  FwdConfig<Atom, kHeadDim, kVariant>::kMinBlocks)
     flash_fwd_kernel(const ForwardParams p) {
-  using Cfg = FwdConfig<Atom, kHeadDim, kGeneral>;
+  using Cfg = FwdConfig<Atom, kHeadDim, kVariant>;
+  constexpr bool kGeneral = Cfg::kGeneral, kDropout = Cfg::kDropout;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kWarpRows = Cfg::kWarpRows;
   using SAcc = WarpAccum<Atom, kWarpRows, kBlockN>;
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
 
     SAcc s;
     s.zero();
-    warp_gemm<Atom, Elem, kHeadDim>(s, q_op, k_op, k_extent, kBlockN, lane);
+    warp_gemm<Atom, Elem, kHeadDim, true>(s, q_op, k_op, k_extent, kBlockN, lane);
 
     // Scores in the units the exponent takes them: raw for the plain variant (the scale is
     // folded into one FMA with the running max), scaled plus mask bias (natural-log units, so
@@ -141,12 +142,12 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
       row_sum[fm][sl] += x;
     });
     o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
-    if (kGeneral && dropout.enabled) {  // the sum above is of all of P; 1 / (1 - p): epilogue
-      dropout.for_each_keep_pair<Atom>(s, lane, blockIdx.y, m0 + warp_row0, n0,
-                                       [&](int fm, int fn, int i, bool keep0, bool keep1) {
-                                         if (!keep0) s.c[fm][fn][i] = 0.0f;
-                                         if (!keep1) s.c[fm][fn][i + 1] = 0.0f;
-                                       });
+    if constexpr (kDropout) {  // the sum above is of all of P; 1 / (1 - p): epilogue
+      dropout.for_each_keep_pair<Atom, SAcc>(lane, blockIdx.y, m0 + warp_row0, n0,
+                                             [&](int fm, int fn, int i, bool keep0, bool keep1) {
+                                               if (!keep0) s.c[fm][fn][i] = 0.0f;
+                                               if (!keep1) s.c[fm][fn][i + 1] = 0.0f;
+                                             });
     }
 
     cp_async_wait_all();
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kGeneral>::kThreads,
 #pragma unroll
     for (int sl = 0; sl < kSlots; ++sl) {
       const float l = row_allreduce_sum<Atom>(row_sum[fm][sl]);
-      inv_sum[fm][sl] = l > 0.0f ? (kGeneral ? dropout.inv_keep : 1.0f) / l : 0.0f;
+      inv_sum[fm][sl] = l > 0.0f ? (kDropout ? dropout.inv_keep() : 1.0f) / l : 0.0f;
       const int r = OAcc::row_of(lane, fm, sl);
       if (is_row_leader<Atom>(lane) && r < rows_valid) {
         p.lse[blockIdx.y * shape.len_q + m0 + warp_row0 + r] =

@@ -21,9 +21,11 @@ namespace kern {
                                                                  const float*);              \
   template __global__ void flash_bwd_dq_convert_kernel<Atom, Elem, D, G>(const BackwardParams, \
                                                                          const float*);
-#define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)  \
-  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, false) \
-  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, true)
+#define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)            \
+  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kPlain)   \
+  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kMasked)  \
+  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kDropout) \
+  FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kMaskedDropout)
 
 #define FLASHV100_INSTANTIATE_VOLTA_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(VoltaAtom, Fp16, D)
 #define FLASHV100_INSTANTIATE_AMPERE_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Fp16, D)
