@@ -42,21 +42,19 @@ constexpr __host__ __device__ const char* variant_name(Variant v) {
 
 // Forward: each warp owns kBlockM / kWarps query rows and the whole key tile.
 // Volta: 16 rows per warp (P staged through shared memory, 64K registers per SM). Atoms with P
-// in registers take 32 rows per warp up to head dim 128, so each K/V fragment feeds two MMAs;
-// not the dropout variant at head dim 128: its Philox calls fit next to 32 keys only with 16-row
-// warp tiles, which measured 1.6x faster than 32-row tiles of 16 keys (H200).
+// in registers take 32 rows per warp up to head dim 64, and at head dim 128 in the plain variant,
+// so each K/V fragment feeds two MMAs. The other variants at head dim 128 (mask reads, Philox
+// calls) fit 32 keys only next to 16-row warp tiles, which measured 11-15% (mask) and 1.6x
+// (dropout) faster than 32-row tiles of 16 keys on the H200 (the plain variant 7% slower).
 template <class Atom, int kHeadDim, Variant kVariant>
 struct FwdTile {
   static constexpr bool kWide =
-      Atom::kAccumIsA && kHeadDim <= 128 && !(kHeadDim == 128 && kVariant == Variant::kDropout);
+      Atom::kAccumIsA && (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWide ? 128 : 64;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
-  // (scripts/nvrtc_gate.py): 64 / 64 / 32 / 16, except 16 for the masked variants at head dim 128
-  // with 32-row warp tiles (mask reads, and Philox calls, do not fit next to 32 keys).
-  static constexpr int kBlockN = kHeadDim <= 64    ? 64
-                                 : kHeadDim == 128 ? (kWide && is_general(kVariant) ? 16 : 32)
-                                                   : 16;
+  // (scripts/nvrtc_gate.py).
+  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16;
 };
 
 template <class Atom, int kHeadDim_, Variant kVariant>
