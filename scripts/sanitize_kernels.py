@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""A few odd shapes through the fused forward and backward on both atoms (plain, with a
-broadcast additive mask plus dropout, and with a prefix padding mask): the workload that
-scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck). Exits non-zero on a
-non-finite result; the sanitizer reports memory errors and shared-memory races itself."""
+"""A few odd shapes through the fused forward and backward on both atoms, in each kernel variant
+(plain, dropout alone, a broadcast additive mask plus dropout, a prefix padding mask): the
+workload that scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck). Exits
+non-zero on a non-finite result; the sanitizer reports memory errors and shared-memory races
+itself."""
 import math
 import sys
 
@@ -29,11 +30,11 @@ def main() -> int:
                 k = torch.randn(b, hkv, lk, d, device="cuda", dtype=torch.float16, generator=g)
                 v = torch.randn(b, hkv, lk, d, device="cuda", dtype=torch.float16, generator=g)
                 scale = 1.0 / math.sqrt(d)
-                # plain; then a broadcast additive mask (with gradient) and dropout
+                # plain; dropout; a broadcast additive mask (with gradient) and dropout
                 mask = torch.randn(b, 1, 1, lk, device="cuda", generator=g)
                 # a padding mask keeping a prefix: the key-range path (no per-element reads)
                 prefix = (torch.arange(lk, device="cuda") < (lk + 1) // 2).expand(b, 1, 1, lk)
-                for mask_, p in ((None, 0.0), (mask, 0.1), (prefix, 0.0)):
+                for mask_, p in ((None, 0.0), (None, 0.1), (mask, 0.1), (prefix, 0.0)):
                     out, lse, rng = ops._attention_forward(q, k, v, mask_, p, causal, scale)
                     dout = torch.randn_like(out)
                     for deterministic in (False, True):
