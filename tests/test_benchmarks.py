@@ -2,6 +2,7 @@
 masks and dropout. No timing checks."""
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -385,3 +386,16 @@ def test_commit_from_environment_wins_over_git(monkeypatch):
     monkeypatch.setenv("FLASHV100_COMMIT", "0123456789abcdef")
     md = collect_metadata(torch.device("cpu"))
     assert md["git_commit"] == "0123456789abcdef" and md["git_dirty"] is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_bench_builds_against_the_kernels(tmp_path):
+    """benchmarks/kernel_bench.cu instantiates every kernel variant directly: it must keep
+    compiling as the kernels change (it runs only on a GPU)."""
+    binary = tmp_path / "kernel_bench"
+    build = subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_80", "--expt-relaxed-constexpr",
+                            f"-I{ROOT / 'csrc'}", "-o", str(binary),
+                            str(ROOT / "benchmarks" / "kernel_bench.cu")],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    assert binary.exists()

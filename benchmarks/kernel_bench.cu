@@ -1,0 +1,179 @@
+// Kernel-level timing of the fused attention kernels, without PyTorch: the forward and the backward
+// (dK/dV with dQ by atomics) of each kernel variant (plain, mask, dropout, mask + dropout; the
+// mask variants run without a mask, i.e. they time the general score math alone), Ampere atom,
+// fp16, CUDA-event medians. Inputs are random; outputs are not checked (the tests do that). It
+// builds in seconds against a source tree, so kernel changes can be compared side by side:
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc \
+//       -o kernel_bench benchmarks/kernel_bench.cu
+//   ./kernel_bench B H L E            (E = 64 or 128; e.g. 16 32 1024 64)
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/kernels/flash_bwd.cuh"
+#include "cuda/kernels/flash_fwd.cuh"
+
+using namespace flashv100;
+using namespace flashv100::kern;
+
+#define CHECK_CUDA(call)                                                              \
+  do {                                                                                \
+    const cudaError_t err = (call);                                                   \
+    if (err != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "CUDA error %s at line %d\n", cudaGetErrorString(err), __LINE__); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// Uniform values in [-1, 1) from a hash of the index.
+__global__ void fill_random(__half* x, int64_t n, uint32_t salt) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ salt;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = __float2half((h & 0xFFFF) / 32768.0f - 1.0f);
+  }
+}
+
+// Median milliseconds of `launch` over `iters` runs, after 3 warm-up runs.
+template <class F>
+float median_ms(F&& launch, int iters = 20) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> times;
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    launch();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Device buffers of one problem, freed on scope exit.
+struct Buffers {
+  std::vector<void*> owned;
+  template <class T>
+  T* alloc(int64_t count) {
+    void* p = nullptr;
+    CHECK_CUDA(cudaMalloc(&p, count * sizeof(T)));
+    owned.push_back(p);
+    return static_cast<T*>(p);
+  }
+  ~Buffers() {
+    for (void* p : owned) cudaFree(p);
+  }
+};
+
+template <int E, Variant V>
+void run(int batch, int heads, int len) {
+  const int64_t elems = static_cast<int64_t>(batch) * heads * len * E;
+  const int64_t rows = static_cast<int64_t>(batch) * heads * len;
+  using FCfg = FwdConfig<AmpereAtom, E, V>;
+  using BCfg = BwdConfig<AmpereAtom, E, V>;
+  using DqWs = DqWorkspace<AmpereAtom, BCfg>;
+  Buffers buf;
+  __half *q = buf.alloc<__half>(elems), *k = buf.alloc<__half>(elems);
+  __half *v = buf.alloc<__half>(elems), *dout = buf.alloc<__half>(elems);
+  fill_random<<<1024, 256>>>(q, elems, 1);
+  fill_random<<<1024, 256>>>(k, elems, 2);
+  fill_random<<<1024, 256>>>(v, elems, 3);
+  fill_random<<<1024, 256>>>(dout, elems, 4);
+  // The backward reads seed and offset from device memory (the forward's rng_state).
+  int64_t* rng_state = buf.alloc<int64_t>(2);
+  const int64_t seed_offset[2] = {1234, 0};
+  CHECK_CUDA(cudaMemcpy(rng_state, seed_offset, sizeof(seed_offset), cudaMemcpyHostToDevice));
+
+  ForwardParams p;
+  p.shape = AttentionShape{batch, heads, heads, len, len, E, E};
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = buf.alloc<__half>(elems);
+  p.lse = buf.alloc<float>(rows);
+  const TensorStrides strides{static_cast<int64_t>(heads) * len * E,
+                              static_cast<int64_t>(len) * E, E};
+  p.q_strides = p.k_strides = p.v_strides = p.out_strides = strides;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(E));
+  p.dropout.p = has_dropout(V) ? 0.1f : 0.0f;
+  p.dropout.seed = static_cast<uint64_t>(seed_offset[0]);
+
+  const auto fwd = flash_fwd_kernel<AmpereAtom, Fp16, E, V>;
+  CHECK_CUDA(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  FCfg::kSmemBytes));
+  const dim3 fwd_grid((len + FCfg::kBlockM - 1) / FCfg::kBlockM, batch * heads);
+  const float fwd_ms = median_ms([&] { fwd<<<fwd_grid, FCfg::kThreads, FCfg::kSmemBytes>>>(p); });
+
+  BackwardParams bp;
+  bp.fwd = p;
+  bp.fwd.dropout.seed_ptr = rng_state;
+  bp.fwd.dropout.offset_ptr = rng_state + 1;
+  bp.dout = dout;
+  bp.dq = buf.alloc<__half>(elems);
+  bp.dk = buf.alloc<__half>(elems);
+  bp.dv = buf.alloc<__half>(elems);
+  bp.dout_strides = bp.dq_strides = bp.dk_strides = bp.dv_strides = strides;
+  float* row_vectors = buf.alloc<float>(3 * rows);  // D, and the masked variants' base and norm
+  if (is_general(V)) {
+    bp.row_base = row_vectors + rows;
+    bp.row_log2_norm = row_vectors + 2 * rows;
+  }
+  const int64_t dq_floats = DqWs::floats(batch * heads, len);
+  float* dq_accum = buf.alloc<float>(dq_floats);
+  flash_bwd_dsum_kernel<Fp16, is_general(V)><<<(rows + 3) / 4, 128>>>(bp, row_vectors);
+  const auto dkdv = flash_bwd_dkdv_kernel<AmpereAtom, Fp16, E, V>;
+  CHECK_CUDA(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  BCfg::kSmemBytes));
+  const dim3 bwd_grid((len + BCfg::kBlockN - 1) / BCfg::kBlockN, batch * heads);
+  const float bwd_ms = median_ms([&] {
+    CHECK_CUDA(cudaMemsetAsync(dq_accum, 0, dq_floats * sizeof(float)));
+    dkdv<<<bwd_grid, BCfg::kThreads, BCfg::kSmemBytes>>>(bp, row_vectors, dq_accum);
+  });
+
+  const double fwd_flops = 4.0 * batch * heads * static_cast<double>(len) * len * E;
+  std::printf("B%d H%d L%d E%d %-12s fwd %.3f ms (%.0f TFLOP/s)  bwd %.3f ms (%.0f TFLOP/s)\n",
+              batch, heads, len, E, variant_name(V), fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms,
+              2.5 * fwd_flops / bwd_ms * 1e-9);
+}
+
+template <int E>
+void run_variants(int batch, int heads, int len) {
+  run<E, Variant::kPlain>(batch, heads, len);
+  run<E, Variant::kMasked>(batch, heads, len);
+  run<E, Variant::kDropout>(batch, heads, len);
+  run<E, Variant::kMaskedDropout>(batch, heads, len);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: %s B H L E  (E = 64 or 128)\n", argv[0]);
+    return 2;
+  }
+  const int batch = std::atoi(argv[1]), heads = std::atoi(argv[2]), len = std::atoi(argv[3]);
+  const int head_dim = std::atoi(argv[4]);
+  if (head_dim == 64) {
+    run_variants<64>(batch, heads, len);
+  } else if (head_dim == 128) {
+    run_variants<128>(batch, heads, len);
+  } else {
+    std::fprintf(stderr, "E must be 64 or 128\n");
+    return 2;
+  }
+  return 0;
+}
