@@ -178,7 +178,8 @@ struct Dropout {
             } else {
 #pragma unroll
               for (int i = 0; i < Atom::kCRegs; i += 2)
-                if (Atom::row_slot(i) == slot) apply(fm, fn, i, philox_word(bits, word_of(lane, fn, i)));
+                if (Atom::row_slot(i) == slot)
+                  apply(fm, fn, i, philox_word(bits, word_of(lane, fn, i)));
             }
           }
         }

@@ -99,7 +99,7 @@ struct BwdTileShape {
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
 template <class Atom, int kHeadDim, bool kSmall> struct BwdTile;
-// Volta: 16-row warp tiles (registers), smaller where the general variant would spill.
+// Volta: 16-row warp tiles (registers), smaller where the variants other than plain would spill.
 template <> struct BwdTile<VoltaAtom, 32, false> : BwdTileShape<64, 64, 8, 4, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 64, false> : BwdTileShape<64, 64, 4, 4, 1, 1, 1, 64> {};
