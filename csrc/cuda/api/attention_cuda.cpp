@@ -33,8 +33,7 @@ void debug_log(const char* op, const char* path, const char* reason) {
 }
 
 void debug_kernel(const char* kernel, int head_dim_bucket, const char* variant, int block_m,
-                  int block_n,
-                  int threads, int smem_bytes) {
+                  int block_n, int threads, int smem_bytes) {
   if (debug_enabled())
     std::fprintf(stderr,
                  "[flashv100]   %s<head dim %d, %s>: tile %d x %d, %d threads, %d B shared\n",

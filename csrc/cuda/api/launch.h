@@ -54,8 +54,7 @@ at::Tensor fallback_backward(const at::Tensor& grad_out, const at::Tensor& query
 bool debug_enabled();
 void debug_log(const char* op, const char* path, const char* reason);
 void debug_kernel(const char* kernel, int head_dim_bucket, const char* variant, int block_m,
-                  int block_n,
-                  int threads, int smem_bytes);
+                  int block_n, int threads, int smem_bytes);
 
 }  // namespace cuda
 }  // namespace flashv100

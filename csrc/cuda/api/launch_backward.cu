@@ -44,8 +44,8 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
 
     const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V>;
     set_smem(dkdv, Cfg::kSmemBytes);
-    debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
-                 Cfg::kSmemBytes);
+    debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
+                 Cfg::kThreads, Cfg::kSmemBytes);
     const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
     dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());

@@ -18,7 +18,8 @@ void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p) {
     using Cfg = kern::FwdConfig<decltype(atom_tag), D, V>;
     const auto kernel = kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, V>;
     set_smem(kernel, Cfg::kSmemBytes);
-    debug_kernel("flash_fwd", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads, Cfg::kSmemBytes);
+    debug_kernel("flash_fwd", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
+                 Cfg::kSmemBytes);
     const dim3 grid(ceil_div(p.shape.len_q, Cfg::kBlockM), p.shape.batch * p.shape.heads_q);
     kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
