@@ -143,6 +143,23 @@ TORCH_LIBRARY(flashv100, m) {
       "Tensor? attn_mask, Tensor out, Tensor lse, Tensor rng_state, float dropout_p, "
       "int causal_mode, float scale, bool mask_requires_grad, bool deterministic) -> "
       "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_mask)");
+  // FlashAttention-2 layouts and semantics (torch_flash_v100.flash_attn_interface): query
+  // [B, Sq, Hq, D] and key/value [B, Sk, Hkv, D], or packed [total, H, D] with cu_seqlens_q/k
+  // (int32 [B + 1]) and max_seqlen_q/k; bottom-right causal, window (-1: unbounded), softcap
+  // (0: off), ALiBi slopes (fp32 [Hq] or [B, Hq]). softmax_lse: fp32 [B, Hq, Sq], or [Hq, total_q]
+  // for varlen. Same kernels as _attention_forward (common/params.h).
+  m.def(
+      "_flash_forward(Tensor query, Tensor key, Tensor value, Tensor? cu_seqlens_q, "
+      "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
+      "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+      "Tensor? alibi_slopes) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
+      {at::Tag::nondeterministic_seeded});
+  m.def(
+      "_flash_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+      "Tensor softmax_lse, Tensor rng_state, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, "
+      "bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
+      "bool deterministic) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   m.def(
       "_dropout_mask(Tensor rng_state, SymInt batch, SymInt heads, SymInt len_q, SymInt len_kv, "
       "float dropout_p) -> Tensor");

@@ -149,6 +149,7 @@ ForwardParams make_forward_params(const at::Tensor& query, const at::Tensor& key
   p.v = value.data_ptr();
   p.out = out.data_ptr();
   p.lse = lse.scalar_type() == at::kFloat ? lse.data_ptr<float>() : nullptr;
+  p.lse_layout = LseLayout{lse.stride(0), lse.stride(1)};
   p.q_strides = strides_of(query);
   p.k_strides = strides_of(key);
   p.v_strides = strides_of(value);

@@ -2,10 +2,19 @@
 // so device-only code and the NVRTC gate can include it.
 //
 // Layout: query [B, Hq, Lq, E], key/value [B, Hkv, Lkv, E] (Hq % Hkv == 0, GQA), out like query,
-// lse [B, Hq, Lq] contiguous fp32. Strides are in elements; the last dim is contiguous.
+// addressed through (batch, head, row) strides, so [B, L, H, E] tensors need no copy; lse through
+// LseLayout. Strides are in elements; the last dim is contiguous. Packed variable-length batches
+// (VarlenParams) address row r of sequence b as row seq_start + r with a batch stride of 0.
 #pragma once
 
 #include "common/fixed_width_types.h"
+
+// NVRTC compiles device code only (the gate makes it the default execution space).
+#if defined(__CUDACC__) && !defined(__CUDACC_RTC__)
+#define FLASHV100_HOST_DEVICE __host__ __device__
+#else
+#define FLASHV100_HOST_DEVICE
+#endif
 
 namespace flashv100 {
 
@@ -66,19 +75,80 @@ struct AttentionShape {
   int64_t head_dim_v = 0;  // of value and out (SDPA allows it to differ from head_dim)
 };
 
+// Packed variable-length batches (FlashAttention-2's varlen functions): sequence b is rows
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q/out/lse and [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+// of k/v; tensors have batch stride 0, and AttentionShape's len_q / len_kv are upper bounds
+// (max_seqlen_q / max_seqlen_k) that size grids and workspaces. Both nullptr: a dense batch.
+// The arrays live on the kernels' device (int32, B + 1 entries, non-decreasing, from 0).
+struct VarlenParams {
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+};
+
+// Element (b, h, r) of the fp32 (fp64 on CPU for fp64 inputs) log-sum-exp is
+// lse[b * batch + h * head + seq_start_q + r]: [B, Hq, Lq] contiguous (batch = Hq * Lq,
+// head = Lq) or, for varlen, [Hq, total_q] (batch = 0, head = total_q) as FlashAttention-2 v2.8.
+struct LseLayout {
+  int64_t batch = 0;
+  int64_t head = 0;
+};
+
+// Which keys a query row sees, besides attn_mask. With shift = 0 under CausalMode::kTopLeft and
+// shift = len_kv - len_q otherwise (FlashAttention-2's bottom-right alignment, per sequence for
+// varlen), key j is visible from query i iff j < len_kv and
+//   causal (kTopLeft or kBottomRight):  j <= i + shift,
+//   window_right >= 0:                  j <= i + shift + window_right,
+//   window_left >= 0:                   j >= i + shift - window_left.
+// -1 leaves a side unbounded (FlashAttention-2's window_size = (left, right)).
+struct WindowParams {
+  int32_t left = -1;
+  int32_t right = -1;
+};
+
+// Score modifiers of FlashAttention-2, applied in this order to s = scale * q.k:
+//   softcap > 0:  s -> softcap * tanh(s / softcap)
+//   alibi_slopes: s -> s - slope[b, h] * |i + shift - j| (shift as in WindowParams, bottom-right)
+//   attn_mask:    s -> s + bias (MaskParams)
+// alibi_slopes is fp32, [B, Hq] with alibi_batch_stride Hq, or [Hq] with stride 0. Neither is
+// ever materialised as a bias tensor.
+struct ScoreModParams {
+  float softcap = 0.0f;
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+};
+
 struct ForwardParams {
   AttentionShape shape;
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
   void* out = nullptr;
-  float* lse = nullptr;  // [B, Hq, Lq] contiguous; -inf for rows with no visible key
+  float* lse = nullptr;  // LseLayout; -inf for rows with no visible key
+  LseLayout lse_layout;
   TensorStrides q_strides, k_strides, v_strides, out_strides;
   double scale = 1.0;  // double so fp64 inputs stay exact; kernels cast to their compute type
   CausalMode causal = CausalMode::kNone;
+  WindowParams window;
+  ScoreModParams score_mod;
+  VarlenParams varlen;
   MaskParams mask;
   DropoutParams dropout;
 };
+
+// Where sequence b of a batch starts (rows of q/out/lse, rows of k/v) and how long it is.
+struct SequenceSpan {
+  int64_t q_start = 0;
+  int64_t k_start = 0;
+  int64_t len_q = 0;
+  int64_t len_kv = 0;
+};
+
+FLASHV100_HOST_DEVICE inline SequenceSpan sequence_span(const ForwardParams& p, int64_t b) {
+  if (p.varlen.cu_seqlens_q == nullptr) return SequenceSpan{0, 0, p.shape.len_q, p.shape.len_kv};
+  const int64_t q0 = p.varlen.cu_seqlens_q[b], k0 = p.varlen.cu_seqlens_k[b];
+  return SequenceSpan{q0, k0, p.varlen.cu_seqlens_q[b + 1] - q0,
+                      p.varlen.cu_seqlens_k[b + 1] - k0};
+}
 
 // |lse| from which lse = max + log(sum) carries log(sum) no better than to 2^-7 (fp32 spacing),
 // and not at all under finfo.min biases: the backward recounts such rows' normalizer from their
