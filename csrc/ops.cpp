@@ -1,12 +1,14 @@
 // The flashv100 operator library: schemas and the public composite op. Device kernels register
 // themselves in cpu/ and cuda/; fake kernels and autograd live in torch_flash_v100/_ops.py.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace flashv100 {
 namespace {
@@ -53,6 +55,11 @@ void check_public_inputs(const at::Tensor& query, const at::Tensor& key, const a
                          const std::optional<at::Tensor>& attn_mask, double dropout_p,
                          bool enable_gqa) {
   constexpr const char* op = "flashv100.attention";
+  for (const auto& [name, t] : {std::pair{"query", &query}, {"key", &key}, {"value", &value}}) {
+    TORCH_CHECK(!t->is_nested(), op, ": ", name,
+                " is a nested (jagged) tensor, which is not supported; pass padded [..., L, E] "
+                "tensors with an attn_mask, or packed sequences to flash_attn_varlen_func");
+  }
   TORCH_CHECK(query.dim() >= 2, op, ": expected query [..., L, E] with at least 2 dims, got ",
               query.sizes());
   TORCH_CHECK(key.dim() == query.dim() && value.dim() == query.dim(), op,
@@ -90,10 +97,11 @@ void check_public_inputs(const at::Tensor& query, const at::Tensor& key, const a
                   " (query's; pass enable_gqa=True for grouped-query attention), got ", heads_k);
     }
   }
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected dropout_p in [0, 1), got ",
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": expected dropout_p in [0, 1], got ",
               dropout_p);
   if (attn_mask.has_value()) {
     const at::Tensor& m = *attn_mask;
+    TORCH_CHECK(!m.is_nested(), op, ": attn_mask is a nested tensor, which is not supported");
     TORCH_CHECK(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()), op,
                 ": expected attn_mask of dtype bool (True = attend) or floating (added to the "
                 "scores), got ",
@@ -101,6 +109,11 @@ void check_public_inputs(const at::Tensor& query, const at::Tensor& key, const a
     TORCH_CHECK(m.device() == query.device(), op, ": expected attn_mask on ", query.device(),
                 " (query's device), got ", m.device());
   }
+}
+
+// The kernels read rows of the last dim as vectors; other layouts are copied, as SDPA does.
+at::Tensor with_contiguous_last_dim(const at::Tensor& t) {
+  return t.sym_size(-1) <= 1 || t.sym_stride(-1) == 1 ? t : t.contiguous();
 }
 
 // SDPA semantics on top of the internal forward op. Composite, so autograd and torch.compile
@@ -117,11 +130,33 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   static auto forward = c10::Dispatcher::singleton()
                             .findSchemaOrThrow("flashv100::_attention_forward", "")
                             .typed<ForwardOp>();
-  at::Tensor out = std::get<0>(forward.call(as_4d(query), as_4d(key), as_4d(value), mask4,
-                                            dropout_p, is_causal ? 1 : 0, softmax_scale));
+  // dropout_p = 1 drops every probability: zeros, and zero gradients, as SDPA's dropout gives
+  // (out * 0 keeps the result connected to the inputs; the kernels take p < 1).
+  const bool drop_all = dropout_p == 1.0;
+  at::Tensor out = std::get<0>(forward.call(
+      as_4d(with_contiguous_last_dim(query)), as_4d(with_contiguous_last_dim(key)),
+      as_4d(with_contiguous_last_dim(value)), mask4, drop_all ? 0.0 : dropout_p,
+      is_causal ? 1 : 0, softmax_scale));
+  if (drop_all) out = out * 0;
   c10::SymDimVector out_shape(query.sym_sizes().begin(), query.sym_sizes().end());
   out_shape.back() = value.sym_size(-1);
   return out.view_symint(out_shape);
+}
+
+// torch.autocast: SDPA's policy (lower_precision_fp): floating q, k, v and an additive mask run
+// in the autocast dtype of the device (fp64 and bool masks are left alone).
+template <c10::DeviceType kDevice>
+at::Tensor attention_autocast(const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value,
+                              const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                              bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      kDevice == c10::DeviceType::CUDA ? c10::DispatchKey::AutocastCUDA
+                                       : c10::DispatchKey::AutocastCPU);
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  return attention(cast(query), cast(key), cast(value), cast(attn_mask), dropout_p, is_causal,
+                   scale, enable_gqa);
 }
 
 }  // namespace
@@ -167,6 +202,14 @@ TORCH_LIBRARY(flashv100, m) {
 
 TORCH_LIBRARY_IMPL(flashv100, CompositeImplicitAutograd, m) {
   m.impl("attention", TORCH_FN(attention));
+}
+
+TORCH_LIBRARY_IMPL(flashv100, AutocastCUDA, m) {
+  m.impl("attention", TORCH_FN(attention_autocast<c10::DeviceType::CUDA>));
+}
+
+TORCH_LIBRARY_IMPL(flashv100, AutocastCPU, m) {
+  m.impl("attention", TORCH_FN(attention_autocast<c10::DeviceType::CPU>));
 }
 
 }  // namespace flashv100

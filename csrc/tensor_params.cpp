@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <utility>
 
 namespace flashv100 {
 namespace {
@@ -59,9 +60,10 @@ void check_attention_inputs(const char* op, const at::Tensor& query, const at::T
   TORCH_CHECK(key.device() == query.device() && value.device() == query.device(), op,
               ": expected query, key and value on one device, got ", query.device(), ", ",
               key.device(), ", ", value.device());
-  for (const at::Tensor* t : {&query, &key, &value}) {
-    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, op,
-                ": expected a contiguous last dim in query, key and value");
+  for (const auto& [name, t] : {std::pair{"query", &query}, {"key", &key}, {"value", &value}}) {
+    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, op, ": expected ", name,
+                " with a contiguous last dim (stride 1), got strides ", t->strides(),
+                "; pass ", name, ".contiguous()");
   }
   const int64_t batch = query.size(0), heads_q = query.size(1), len_q = query.size(2);
   const int64_t heads_kv = key.size(1), len_kv = key.size(2);
@@ -110,7 +112,8 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
               op, ": expected out ", out_shape, " of query's dtype and device, got ", out.sizes(),
               " ", out.scalar_type(), " on ", out.device());
   TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
-                  grad_out.device() == query.device() && grad_out.stride(-1) == 1,
+                  grad_out.device() == query.device() &&
+                  (grad_out.numel() == 0 || grad_out.stride(-1) == 1),
               op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim, got ",
               grad_out.sizes(), " ", grad_out.scalar_type(), " on ", grad_out.device());
   const at::ScalarType lse_dtype = lse_dtype_of(query);

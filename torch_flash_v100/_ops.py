@@ -2,7 +2,9 @@
 
 The schemas and the device kernels are registered in C++ (csrc/ops.cpp, csrc/cpu, csrc/cuda).
 The public op ``flashv100::attention`` is a composite over ``flashv100::_attention_forward``;
-autograd is defined on the latter, and its backward is ``flashv100::_attention_backward``.
+autograd is defined on the latter, and its backward is ``flashv100::_attention_backward``, whose
+own autograd formula (double backward: gradient penalties, Hessian-vector products) differentiates
+the reference math twice.
 """
 
 from __future__ import annotations
@@ -69,3 +71,47 @@ def _backward(ctx, grad_out, _grad_lse, _grad_rng_state):
 
 torch.library.register_autograd(
     "flashv100::_attention_forward", _backward, setup_context=_setup_context)
+
+
+def _setup_double_backward(ctx, inputs, output):
+    (grad_out, query, key, value, attn_mask, _out, _lse, rng_state, dropout_p, causal_mode, scale,
+     mask_requires_grad, _deterministic) = inputs
+    ctx.save_for_backward(grad_out, query, key, value, attn_mask, rng_state)
+    ctx.dropout_p, ctx.causal_mode, ctx.scale = dropout_p, causal_mode, scale
+    ctx.mask_requires_grad = mask_requires_grad
+
+
+def _double_backward(ctx, grad_grad_query, grad_grad_key, grad_grad_value, grad_grad_mask):
+    # The gradients as a function of (grad_out, q, k, v, mask), recomputed with the reference math
+    # (O(L * S) memory: second order is rare) and the forward's dropout mask. Their derivatives
+    # through out and lse are part of these total derivatives, so out and lse get none.
+    from .reference import reference_attention
+
+    grad_out, query, key, value, attn_mask, rng_state = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (grad_out, query, key, value)]
+        mask = attn_mask
+        if ctx.mask_requires_grad:
+            mask = attn_mask.detach().requires_grad_()
+        keep = None
+        if ctx.dropout_p > 0.0:
+            batch, heads, len_q, len_kv = *query.shape[:3], key.shape[2]
+            keep = _lib_ops._dropout_mask(rng_state, batch, heads, len_q, len_kv, ctx.dropout_p)
+        out = reference_attention(leaves[1], leaves[2], leaves[3], mask, ctx.dropout_p,
+                                  scale=ctx.scale, enable_gqa=True, causal_mode=ctx.causal_mode,
+                                  dropout_keep=keep)
+        wrt = leaves[1:] + ([mask] if ctx.mask_requires_grad else [])
+        grads = torch.autograd.grad(out, wrt, leaves[0], create_graph=True)
+        outer = [grad_grad_query, grad_grad_key, grad_grad_value, grad_grad_mask][:len(grads)]
+        pairs = [(g, o) for g, o in zip(grads, outer) if o is not None]
+        wrt_all = leaves + ([mask] if ctx.mask_requires_grad else [])
+        second = torch.autograd.grad([g for g, _ in pairs], wrt_all, [o for _, o in pairs],
+                                     create_graph=torch.is_grad_enabled(), allow_unused=True)
+    grad_grad_out, grad_query, grad_key, grad_value = second[:4]
+    grad_mask = second[4] if ctx.mask_requires_grad else None
+    return (grad_grad_out, grad_query, grad_key, grad_value, grad_mask, None, None, None, None,
+            None, None, None, None)
+
+
+torch.library.register_autograd(
+    "flashv100::_attention_backward", _double_backward, setup_context=_setup_double_backward)

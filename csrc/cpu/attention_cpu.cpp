@@ -206,9 +206,10 @@ void store_rows(void* base, const TensorStrides& s, int64_t batch, int64_t head,
 }
 
 // dK and dV of one block of keys, summed over the query heads that share it (GQA).
+// dmask: the additive mask's gradient [B, Hq, L, S] in Acc (fp64 stays exact), or nullptr.
 template <typename Scalar, typename Acc>
-void backward_key_block(const BackwardParams& p, const RowVectors<Acc>& vec, int64_t batch,
-                        int64_t head_kv, int64_t col_begin, int64_t col_end) {
+void backward_key_block(const BackwardParams& p, const RowVectors<Acc>& vec, Acc* dmask_full,
+                        int64_t batch, int64_t head_kv, int64_t col_begin, int64_t col_end) {
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
   const int64_t dim = sh.head_dim, dim_v = sh.head_dim_v, cols = col_end - col_begin;
@@ -220,9 +221,9 @@ void backward_key_block(const BackwardParams& p, const RowVectors<Acc>& vec, int
   load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, col_begin, col_end, dim_v, v.data());
   const Acc scale = static_cast<Acc>(f.scale);
   for (int64_t head_q = head_kv * group; head_q < (head_kv + 1) * group; ++head_q) {
-    float* dmask = p.dmask == nullptr
-                       ? nullptr
-                       : p.dmask + (batch * sh.heads_q + head_q) * sh.len_q * sh.len_kv;
+    Acc* dmask = dmask_full == nullptr
+                     ? nullptr
+                     : dmask_full + (batch * sh.heads_q + head_q) * sh.len_q * sh.len_kv;
     for (int64_t row_begin = 0; row_begin < sh.len_q; row_begin += kBlockQ) {
       const int64_t row_end = std::min(row_begin + kBlockQ, sh.len_q);
       if (visible_cols_end(f, row_begin, row_end) <= col_begin) continue;
@@ -236,8 +237,7 @@ void backward_key_block(const BackwardParams& p, const RowVectors<Acc>& vec, int
                               for (int64_t e = 0; e < dim_v; ++e) dv[c * dim_v + e] += pv * dout_row[e];
                               for (int64_t e = 0; e < dim; ++e) dk[c * dim + e] += scale * dscore * q_row[e];
                               if (dmask != nullptr) {
-                                dmask[(row_begin + r) * sh.len_kv + col_begin + c] =
-                                    static_cast<float>(dscore);
+                                dmask[(row_begin + r) * sh.len_kv + col_begin + c] = dscore;
                               }
                             });
     }
@@ -277,14 +277,14 @@ void backward_query_block(const BackwardParams& p, const RowVectors<Acc>& vec, i
 // Two passes (keys, then queries) so that no two threads write one gradient element:
 // deterministic by construction, so the `deterministic` flag needs nothing extra here.
 template <typename Scalar, typename Acc>
-void backward(const BackwardParams& p, const Acc* lse, const Acc* delta) {
+void backward(const BackwardParams& p, const Acc* lse, const Acc* delta, Acc* dmask) {
   const AttentionShape& sh = p.fwd.shape;
   const std::vector<Acc> norm = saturated_row_norms<Scalar>(p.fwd, lse);
   const RowVectors<Acc> vec{lse, delta, norm.data()};
   parallel_over_blocks(sh.batch, sh.heads_kv, sh.len_kv, kBlockKV,
                        [&](int64_t batch, int64_t head_kv, int64_t col_begin, int64_t col_end) {
-                         backward_key_block<Scalar, Acc>(p, vec, batch, head_kv, col_begin,
-                                                         col_end);
+                         backward_key_block<Scalar, Acc>(p, vec, dmask, batch, head_kv,
+                                                         col_begin, col_end);
                        });
   parallel_over_blocks(sh.batch, sh.heads_q, sh.len_q, kBlockQ,
                        [&](int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end) {
@@ -344,19 +344,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   at::Tensor grad_mask_full;
   if (mask_requires_grad) {
     grad_mask_full = at::zeros({query.size(0), query.size(1), query.size(2), key.size(2)},
-                               query.options().dtype(at::kFloat));
+                               query.options().dtype(lse.scalar_type()));
   }
   const at::Tensor lse_c = lse.contiguous();
   const at::Tensor delta = (grad_out.to(lse.scalar_type()) * out.to(lse.scalar_type()))
                                .sum(-1)
                                .contiguous();
+  // The mask gradient goes to backward() in Acc, not through BackwardParams' fp32 pointer.
   BackwardParams p = make_backward_params(grad_out, query, key, value, attn_mask, out, lse_c,
                                           scale, causal_mode, dropout_p, grad_query, grad_key,
-                                          grad_value, grad_mask_full, deterministic);
+                                          grad_value, at::Tensor(), deterministic);
   if (dropout_p > 0.0) load_rng_state(rng_state, p.fwd.dropout);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "flashv100_bwd", [&] {
     using Acc = at::opmath_type<scalar_t>;
-    backward<scalar_t, Acc>(p, lse_c.data_ptr<Acc>(), delta.data_ptr<Acc>());
+    backward<scalar_t, Acc>(p, lse_c.data_ptr<Acc>(), delta.data_ptr<Acc>(),
+                            mask_requires_grad ? grad_mask_full.data_ptr<Acc>() : nullptr);
   });
   at::Tensor grad_mask = mask_requires_grad ? reduce_mask_grad(grad_mask_full, *attn_mask)
                                             : at::empty({0}, query.options());
