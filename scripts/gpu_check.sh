@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # GPU check, run from the repo root on a machine with a CUDA GPU:
 #   build (editable, TORCH_CUDA_ARCH_LIST default 9.0) -> GPU tests -> the rest of the test suite
-#   -> compute-sanitizer memcheck + racecheck on odd shapes (both atoms) -> short benchmark.
-# Writes gpu_check.log, junit XML, summary.json and bench.json to $OUT (default ./gpu_results).
+#   -> random-case fuzz vs the fp64 reference (FUZZ_CASES per atom, default 2000, both atoms)
+#   -> compute-sanitizer memcheck, racecheck, synccheck, initcheck on odd shapes (both atoms)
+#   -> short benchmark.
+# Writes gpu_check.log, junit XML, summary.json, fuzz.json and bench.json to $OUT (default
+# ./gpu_results).
 # Exits non-zero if any step fails or if no GPU test ran (a silently skipped GPU suite is a failure).
 # FLASHV100_COMMIT names the commit in the benchmark metadata (for copied trees).
-# STEPS=build,gpu_tests,tests,sanitize,bench selects steps (default: all); STEP_TIMEOUT (seconds,
+# STEPS=build,gpu_tests,tests,fuzz,sanitize,bench selects steps (default: all); STEP_TIMEOUT (seconds,
 # default 1800) bounds each step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +18,7 @@ exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-STEPS="${STEPS:-build,gpu_tests,tests,sanitize,bench}"
+STEPS="${STEPS:-build,gpu_tests,tests,fuzz,sanitize,bench}"
 PY="${PYTHON:-python}"
 declare -A RESULT=()
 
@@ -38,10 +41,16 @@ if want tests; then
   run_step tests "$PY" -m pytest -q -m "not cuda" tests --junitxml="$OUT_DIR/tests.xml" \
     -p no:cacheprovider --tb=short --continue-on-collection-errors
 fi
+want fuzz && run_step fuzz "$PY" -m torch_flash_v100.fuzz --device cuda --atoms volta,native \
+  --cases "${FUZZ_CASES:-2000}" --json "$OUT_DIR/fuzz.json"
 if want sanitize; then
   SAN="compute-sanitizer --error-exitcode 1 --kernel-name kns=flash"
   run_step memcheck $SAN --tool memcheck "$PY" scripts/sanitize_kernels.py
   run_step racecheck $SAN --tool racecheck --racecheck-report hazard "$PY" scripts/sanitize_kernels.py
+  run_step synccheck $SAN --tool synccheck "$PY" scripts/sanitize_kernels.py
+  # initcheck sees reads of memory never written, e.g. past a tensor's end inside an allocator
+  # block, which memcheck cannot.
+  run_step initcheck $SAN --tool initcheck "$PY" scripts/sanitize_kernels.py
 fi
 # The fa2 suite of the benchmark harness: native path vs SDPA flash / efficient, fwd and fwd+bwd.
 want bench && run_step bench "$PY" -m torch_flash_v100 bench --suite fa2 --device cuda \

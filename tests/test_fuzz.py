@@ -30,3 +30,31 @@ def test_fuzz_against_reference(batch, heads_kv, group, len_q, len_kv, dim, dim_
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad_out),
                     torch.autograd.grad(ref, (q, k, v), grad_out)):
         torch.testing.assert_close(a, b)
+
+
+def test_random_sweep_against_reference():
+    # torch_flash_v100.fuzz (the GPU script runs it with 2,000 cases per atom): layouts, every
+    # mask kind incl. finfo.min padding and fully masked rows, causal modes, dropout with the
+    # kernels' keep mask, GQA, scales, deterministic; every output position vs fp64.
+    from torch_flash_v100.fuzz import sweep
+
+    summary = sweep("cpu", cases=150, seed=1, max_len=64)
+    assert summary["cases"] == {"native": 150}
+    assert summary["failures"] == [], summary["failures"][:3]
+
+
+def test_sweep_detects_a_wrong_kernel(monkeypatch):
+    # The sweep must be able to fail: a forward that drops the causal mask is caught.
+    import torch_flash_v100.fuzz as fuzz
+
+    real = torch.ops.flashv100._attention_forward
+
+    class Ops:
+        def __getattr__(self, name):
+            if name == "_attention_forward":
+                return lambda q, k, v, m, p, causal, scale: real(q, k, v, m, p, 0, scale)
+            return getattr(torch.ops.flashv100, name)
+
+    monkeypatch.setattr(fuzz, "_ops", Ops())
+    summary = fuzz.sweep("cpu", cases=40, seed=2, max_len=32)
+    assert any(f["case"]["causal_mode"] != 0 for f in summary["failures"])
