@@ -4,6 +4,7 @@
 workload that scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck). Exits
 non-zero on a non-finite result; the sanitizer reports memory errors and shared-memory races
 itself."""
+import argparse
 import math
 import sys
 
@@ -20,11 +21,15 @@ SHAPES = [  # (B, Hq, Hkv, L, S, E, causal_mode)
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", type=int, default=len(SHAPES),
+                        help="run the first N shapes only (initcheck without a kernel filter is slow)")
+    args = parser.parse_args()
     ops = torch.ops.flashv100
     bad = 0
     for force_volta in (True, False):
         with tfv.volta_atom(force_volta):
-            for b, hq, hkv, lq, lk, d, causal in SHAPES:
+            for b, hq, hkv, lq, lk, d, causal in SHAPES[: args.shapes]:
                 g = torch.Generator(device="cuda").manual_seed(0)
                 q = torch.randn(b, hq, lq, d, device="cuda", dtype=torch.float16, generator=g)
                 k = torch.randn(b, hkv, lk, d, device="cuda", dtype=torch.float16, generator=g)
