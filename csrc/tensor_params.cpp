@@ -4,6 +4,7 @@
 
 #include <array>
 #include <utility>
+#include <vector>
 
 namespace flashv100 {
 namespace {
@@ -43,14 +44,9 @@ at::ScalarType lse_dtype_of(const at::Tensor& query) {
   return query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-}  // namespace
-
-void check_attention_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                            double dropout_p, int64_t causal_mode) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, op,
-              ": expected 4-D query, key and value [B, H, L, E], got query ", query.sizes(),
-              ", key ", key.sizes(), ", value ", value.sizes());
+// The rules query, key and value share in every layout.
+void check_qkv_dtype_and_device(const char* op, const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value) {
   TORCH_CHECK(key.scalar_type() == query.scalar_type() &&
                   value.scalar_type() == query.scalar_type(),
               op, ": expected query, key and value of one dtype, got ", query.scalar_type(), ", ",
@@ -61,10 +57,92 @@ void check_attention_inputs(const char* op, const at::Tensor& query, const at::T
               ": expected query, key and value on one device, got ", query.device(), ", ",
               key.device(), ", ", value.device());
   for (const auto& [name, t] : {std::pair{"query", &query}, {"key", &key}, {"value", &value}}) {
-    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, op, ": expected ", name,
+    TORCH_CHECK(t->size(-1) <= 1 || t->stride(-1) == 1, op, ": expected ", name,
                 " with a contiguous last dim (stride 1), got strides ", t->strides(),
                 "; pass ", name, ".contiguous()");
   }
+}
+
+void check_gqa_heads(const char* op, int64_t heads_q, int64_t heads_kv) {
+  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0, op, ": query heads (", heads_q,
+              ") must be a multiple of key/value heads (", heads_kv, ")");
+}
+
+void check_dropout_p(const char* op, double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected dropout_p in [0, 1), got ",
+              dropout_p);
+}
+
+// out, grad_out, lse and rng_state of a backward, as the forward returned them.
+void check_saved_forward(const char* op, const at::Tensor& query, at::IntArrayRef out_shape,
+                         const at::Tensor& out, const at::Tensor& grad_out,
+                         at::IntArrayRef lse_shape, const at::Tensor& lse,
+                         const at::Tensor& rng_state, const char* forward_op) {
+  TORCH_CHECK(out.sizes() == out_shape && out.scalar_type() == query.scalar_type() &&
+                  out.device() == query.device(),
+              op, ": expected out ", out_shape, " of query's dtype and device, got ", out.sizes(),
+              " ", out.scalar_type(), " on ", out.device());
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
+                  grad_out.device() == query.device() &&
+                  (grad_out.numel() == 0 || grad_out.stride(-1) == 1),
+              op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim, got ",
+              grad_out.sizes(), " ", grad_out.scalar_type(), " on ", grad_out.device());
+  const at::ScalarType lse_dtype = lse_dtype_of(query);
+  TORCH_CHECK(lse.sizes() == lse_shape && lse.scalar_type() == lse_dtype &&
+                  lse.device() == query.device(),
+              op, ": expected lse ", lse_shape, " of dtype ", lse_dtype, " as returned by ",
+              forward_op, ", got ", lse.sizes(), " ", lse.scalar_type());
+  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong &&
+                  rng_state.is_contiguous(),
+              op, ": expected rng_state int64[2] as returned by ", forward_op, ", got ",
+              rng_state.scalar_type(), rng_state.sizes());
+}
+
+// cu_seqlens of `rows` packed rows: int32 [batch + 1] on `device`, 0, non-decreasing, ending at
+// `rows`, no sequence longer than max_seqlen.
+void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, int64_t rows,
+                      const char* max_name, int64_t max_seqlen, const at::Device& device) {
+  TORCH_CHECK(cu.scalar_type() == at::kInt, op, ": expected ", name, " of dtype int32, got ",
+              cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.is_contiguous(), op, ": expected ", name,
+              " a contiguous 1-D [batch + 1] tensor, got ", cu.sizes(), " with strides ",
+              cu.strides());
+  TORCH_CHECK(cu.device() == device, op, ": expected ", name, " on ", device,
+              " (query's device), got ", cu.device());
+  const at::Tensor host = cu.device().is_cpu() ? cu : cu.to(at::kCPU);
+  const int32_t* offsets = host.data_ptr<int32_t>();
+  TORCH_CHECK(offsets[0] == 0, op, ": expected ", name, "[0] == 0, got ", offsets[0]);
+  for (int64_t b = 0; b + 1 < cu.size(0); ++b) {
+    const int64_t length = int64_t{offsets[b + 1]} - offsets[b];
+    TORCH_CHECK(length >= 0, op, ": expected non-decreasing ", name, ", got ", name, "[", b + 1,
+                "] = ", offsets[b + 1], " < ", name, "[", b, "] = ", offsets[b]);
+    TORCH_CHECK(length <= max_seqlen, op, ": sequence ", b, " has ", length, " rows (", name,
+                "), more than ", max_name, " = ", max_seqlen);
+  }
+  TORCH_CHECK(offsets[cu.size(0) - 1] == rows, op, ": expected ", name, "[-1] == ", rows,
+              " (the packed rows), got ", offsets[cu.size(0) - 1]);
+}
+
+TensorStrides flash_strides_of(const at::Tensor& t, bool varlen) {
+  // [B, S, H, D]: (batch, head, row) = (0, 2, 1); packed [total, H, D]: (-, 1, 0).
+  return varlen ? TensorStrides{0, t.stride(1), t.stride(0)}
+                : TensorStrides{t.stride(0), t.stride(2), t.stride(1)};
+}
+
+// A window side that cannot hide any key of any row is unbounded (-1).
+int32_t effective_window(int64_t size, int64_t unbounded_from) {
+  return size < 0 || size >= unbounded_from ? -1 : static_cast<int32_t>(size);
+}
+
+}  // namespace
+
+void check_attention_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                            double dropout_p, int64_t causal_mode) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, op,
+              ": expected 4-D query, key and value [B, H, L, E], got query ", query.sizes(),
+              ", key ", key.sizes(), ", value ", value.sizes());
+  check_qkv_dtype_and_device(op, query, key, value);
   const int64_t batch = query.size(0), heads_q = query.size(1), len_q = query.size(2);
   const int64_t heads_kv = key.size(1), len_kv = key.size(2);
   TORCH_CHECK(key.size(0) == batch && value.size(0) == batch, op,
@@ -75,10 +153,8 @@ void check_attention_inputs(const char* op, const at::Tensor& query, const at::T
               value.sizes());
   TORCH_CHECK(key.size(3) == query.size(3), op, ": expected key head dim ", query.size(3),
               " (query's), got ", key.size(3));
-  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0, op, ": query heads (", heads_q,
-              ") must be a multiple of key/value heads (", heads_kv, ")");
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected dropout_p in [0, 1), got ",
-              dropout_p);
+  check_gqa_heads(op, heads_q, heads_kv);
+  check_dropout_p(op, dropout_p);
   TORCH_CHECK(causal_mode >= 0 && causal_mode <= 2, op,
               ": expected causal_mode 0 (none), 1 (top-left) or 2 (bottom-right), got ",
               causal_mode);
@@ -107,24 +183,8 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
   const std::array<int64_t, 4> out_dims = {query.size(0), query.size(1), query.size(2),
                                            value.size(3)};
   const at::IntArrayRef out_shape(out_dims);
-  TORCH_CHECK(out.sizes() == out_shape && out.scalar_type() == query.scalar_type() &&
-                  out.device() == query.device(),
-              op, ": expected out ", out_shape, " of query's dtype and device, got ", out.sizes(),
-              " ", out.scalar_type(), " on ", out.device());
-  TORCH_CHECK(grad_out.sizes() == out.sizes() && grad_out.scalar_type() == query.scalar_type() &&
-                  grad_out.device() == query.device() &&
-                  (grad_out.numel() == 0 || grad_out.stride(-1) == 1),
-              op, ": expected grad_out like out ", out.sizes(), " with a contiguous last dim, got ",
-              grad_out.sizes(), " ", grad_out.scalar_type(), " on ", grad_out.device());
-  const at::ScalarType lse_dtype = lse_dtype_of(query);
-  TORCH_CHECK(lse.sizes() == out_shape.slice(0, 3) && lse.scalar_type() == lse_dtype &&
-                  lse.device() == query.device(),
-              op, ": expected lse [B, Hq, L] of dtype ", lse_dtype,
-              " as returned by _attention_forward, got ", lse.sizes(), " ", lse.scalar_type());
-  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong &&
-                  rng_state.is_contiguous(),
-              op, ": expected rng_state int64[2] as returned by _attention_forward, got ",
-              rng_state.scalar_type(), rng_state.sizes());
+  check_saved_forward(op, query, out_shape, out, grad_out, out_shape.slice(0, 3), lse, rng_state,
+                      "_attention_forward");
   TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
               op, ": mask_requires_grad needs an additive (floating) attn_mask");
 }
@@ -183,13 +243,164 @@ BackwardParams make_backward_params(const at::Tensor& grad_out, const at::Tensor
   p.dq_strides = strides_of(grad_query);
   p.dk_strides = strides_of(grad_key);
   p.dv_strides = strides_of(grad_value);
-  p.dmask = grad_mask_full.defined() ? grad_mask_full.data_ptr<float>() : nullptr;
+  p.dmask = grad_mask_full.defined() && grad_mask_full.scalar_type() == at::kFloat
+                ? grad_mask_full.data_ptr<float>()
+                : nullptr;
   p.deterministic = deterministic;
   return p;
 }
 
 at::Tensor reduce_mask_grad(const at::Tensor& grad_mask_full, const at::Tensor& attn_mask) {
   return grad_mask_full.sum_to_size(attn_mask.sizes()).to(attn_mask.scalar_type());
+}
+
+void check_flash_inputs(const char* op, const FlashArgs& args) {
+  const at::Tensor &query = args.query, &key = args.key, &value = args.value;
+  const bool varlen = args.varlen();
+  TORCH_CHECK(args.cu_seqlens_k.has_value() == varlen, op,
+              ": expected both cu_seqlens_q and cu_seqlens_k, or neither");
+  if (varlen) {
+    TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, op,
+                ": expected packed query [total_q, Hq, D], key and value [total_k, Hkv, D], got "
+                "query ", query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+  } else {
+    TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, op,
+                ": expected query [B, Sq, Hq, D], key and value [B, Sk, Hkv, D], got query ",
+                query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+  }
+  check_qkv_dtype_and_device(op, query, key, value);
+  const int64_t heads_q = query.size(-2), heads_kv = key.size(-2), dim = query.size(-1);
+  TORCH_CHECK(value.sizes().slice(0, value.dim() - 1) == key.sizes().slice(0, key.dim() - 1), op,
+              ": expected value ", varlen ? "[total_k, Hkv, D]" : "[B, Sk, Hkv, D]",
+              " to match key ", key.sizes(), ", got ", value.sizes());
+  TORCH_CHECK(key.size(-1) == dim && value.size(-1) == dim, op,
+              ": expected key and value head dim ", dim, " (query's), got ", key.size(-1),
+              " and ", value.size(-1));
+  check_gqa_heads(op, heads_q, heads_kv);
+  check_dropout_p(op, args.dropout_p);
+  TORCH_CHECK(args.max_seqlen_q >= 0 && args.max_seqlen_k >= 0, op,
+              ": expected max_seqlen_q and max_seqlen_k >= 0, got ", args.max_seqlen_q, " and ",
+              args.max_seqlen_k);
+  int64_t batch = 0;
+  if (varlen) {
+    batch = args.cu_seqlens_q->numel() - 1;
+    check_cu_seqlens(op, "cu_seqlens_q", *args.cu_seqlens_q, query.size(0), "max_seqlen_q",
+                     args.max_seqlen_q, query.device());
+    check_cu_seqlens(op, "cu_seqlens_k", *args.cu_seqlens_k, key.size(0), "max_seqlen_k",
+                     args.max_seqlen_k, query.device());
+    TORCH_CHECK(args.cu_seqlens_k->numel() == batch + 1, op,
+                ": expected cu_seqlens_k of cu_seqlens_q's length ", batch + 1, ", got ",
+                args.cu_seqlens_k->numel());
+  } else {
+    batch = query.size(0);
+    TORCH_CHECK(key.size(0) == batch, op, ": expected key and value batch ", batch,
+                " (query's), got ", key.size(0));
+    TORCH_CHECK(args.max_seqlen_q == query.size(1) && args.max_seqlen_k == key.size(1), op,
+                ": without cu_seqlens, expected max_seqlen_q = Sq = ", query.size(1),
+                " and max_seqlen_k = Sk = ", key.size(1), ", got ", args.max_seqlen_q, " and ",
+                args.max_seqlen_k);
+  }
+  TORCH_CHECK(args.window_left >= -1 && args.window_right >= -1, op,
+              ": expected window_size entries >= -1 (-1: unbounded), got (", args.window_left,
+              ", ", args.window_right, ")");
+  TORCH_CHECK(args.softcap >= 0.0, op, ": expected softcap >= 0 (0: off), got ", args.softcap);
+  if (args.alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *args.alibi_slopes;
+    TORCH_CHECK(slopes.scalar_type() == at::kFloat, op,
+                ": expected alibi_slopes of dtype float32, got ", slopes.scalar_type());
+    TORCH_CHECK(slopes.device() == query.device(), op, ": expected alibi_slopes on ",
+                query.device(), " (query's device), got ", slopes.device());
+    const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads_q;
+    const bool per_batch_head =
+        slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads_q;
+    TORCH_CHECK(per_head || per_batch_head, op, ": expected alibi_slopes [Hq] = [", heads_q,
+                "] or [B, Hq] = [", batch, ", ", heads_q, "], got ", slopes.sizes());
+    TORCH_CHECK(slopes.stride(-1) == 1 || heads_q <= 1, op,
+                ": expected alibi_slopes with a contiguous last dim");
+  }
+}
+
+void check_flash_backward_inputs(const char* op, const FlashArgs& args, const at::Tensor& grad_out,
+                                 const at::Tensor& out, const at::Tensor& softmax_lse,
+                                 const at::Tensor& rng_state) {
+  const at::Tensor& query = args.query;
+  std::vector<int64_t> lse_shape;
+  if (args.varlen()) {
+    lse_shape = {query.size(1), query.size(0)};
+  } else {
+    lse_shape = {query.size(0), query.size(2), query.size(1)};
+  }
+  check_saved_forward(op, query, query.sizes(), out, grad_out, lse_shape, softmax_lse, rng_state,
+                      "_flash_forward");
+}
+
+at::Tensor allocate_flash_lse(const FlashArgs& args) {
+  const at::Tensor& q = args.query;
+  const auto options = q.options().dtype(lse_dtype_of(q));
+  if (args.varlen()) return at::empty({q.size(1), q.size(0)}, options);
+  return at::empty({q.size(0), q.size(2), q.size(1)}, options);
+}
+
+ForwardParams make_flash_forward_params(const FlashArgs& args, const at::Tensor& out,
+                                        const at::Tensor& softmax_lse) {
+  const at::Tensor &query = args.query, &key = args.key, &value = args.value;
+  const bool varlen = args.varlen();
+  ForwardParams p;
+  p.shape = AttentionShape{varlen ? args.cu_seqlens_q->numel() - 1 : query.size(0),
+                           query.size(-2),
+                           key.size(-2),
+                           args.max_seqlen_q,
+                           args.max_seqlen_k,
+                           query.size(-1),
+                           value.size(-1)};
+  p.q = query.data_ptr();
+  p.k = key.data_ptr();
+  p.v = value.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = softmax_lse.scalar_type() == at::kFloat ? softmax_lse.data_ptr<float>() : nullptr;
+  p.lse_layout = varlen ? LseLayout{0, softmax_lse.stride(0)}
+                        : LseLayout{softmax_lse.stride(0), softmax_lse.stride(1)};
+  p.q_strides = flash_strides_of(query, varlen);
+  p.k_strides = flash_strides_of(key, varlen);
+  p.v_strides = flash_strides_of(value, varlen);
+  p.out_strides = flash_strides_of(out, varlen);
+  p.scale = args.softmax_scale;
+  // Key j is hidden from row i iff j < i + shift - left (left >= len_kv: never) or
+  // j > i + shift + right (right >= len_q - 1: never).
+  p.window.left = effective_window(args.window_left, args.max_seqlen_k);
+  p.window.right = args.causal ? 0 : effective_window(args.window_right, args.max_seqlen_q);
+  p.causal = p.window.right == 0 ? CausalMode::kBottomRight : CausalMode::kNone;
+  p.score_mod.softcap = static_cast<float>(args.softcap);
+  if (args.alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *args.alibi_slopes;
+    p.score_mod.alibi_slopes = slopes.data_ptr<float>();
+    p.score_mod.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
+  }
+  if (varlen) {
+    p.varlen.cu_seqlens_q = args.cu_seqlens_q->data_ptr<int32_t>();
+    p.varlen.cu_seqlens_k = args.cu_seqlens_k->data_ptr<int32_t>();
+  }
+  p.dropout.p = static_cast<float>(args.dropout_p);
+  return p;
+}
+
+BackwardParams make_flash_backward_params(const FlashArgs& args, const at::Tensor& grad_out,
+                                          const at::Tensor& out, const at::Tensor& softmax_lse,
+                                          const at::Tensor& grad_query, const at::Tensor& grad_key,
+                                          const at::Tensor& grad_value, bool deterministic) {
+  const bool varlen = args.varlen();
+  BackwardParams p;
+  p.fwd = make_flash_forward_params(args, out, softmax_lse);
+  p.dout = grad_out.data_ptr();
+  p.dq = grad_query.data_ptr();
+  p.dk = grad_key.data_ptr();
+  p.dv = grad_value.data_ptr();
+  p.dout_strides = flash_strides_of(grad_out, varlen);
+  p.dq_strides = flash_strides_of(grad_query, varlen);
+  p.dk_strides = flash_strides_of(grad_key, varlen);
+  p.dv_strides = flash_strides_of(grad_value, varlen);
+  p.deterministic = deterministic;
+  return p;
 }
 
 }  // namespace flashv100

@@ -36,7 +36,8 @@ ForwardParams make_forward_params(const at::Tensor& query, const at::Tensor& key
                                   const at::Tensor& out, const at::Tensor& lse, double scale,
                                   int64_t causal_mode, double dropout_p);
 
-// grad_mask_full: [B, Hq, L, S] fp32 buffer for the additive mask's gradient, or undefined.
+// grad_mask_full: [B, Hq, L, S] buffer for the additive mask's gradient, or undefined; fp32 (what
+// BackwardParams::dmask points at) or, on CPU, the accumulation type (passed to the kernel there).
 BackwardParams make_backward_params(const at::Tensor& grad_out, const at::Tensor& query,
                                     const at::Tensor& key, const at::Tensor& value,
                                     const std::optional<at::Tensor>& attn_mask,
@@ -48,5 +49,45 @@ BackwardParams make_backward_params(const at::Tensor& grad_out, const at::Tensor
 
 // Reduces the full [B, Hq, L, S] mask gradient to the mask's (broadcast) shape and dtype.
 at::Tensor reduce_mask_grad(const at::Tensor& grad_mask_full, const at::Tensor& attn_mask);
+
+// The FlashAttention-2 ops' arguments (flashv100::_flash_forward/_flash_backward), checked and
+// turned into kernel parameters in one place for every device.
+struct FlashArgs {
+  const at::Tensor& query;  // [B, Sq, Hq, D], or [total_q, Hq, D] with cu_seqlens
+  const at::Tensor& key;    // [B, Sk, Hkv, D], or [total_k, Hkv, D]
+  const at::Tensor& value;
+  const std::optional<at::Tensor>& cu_seqlens_q;
+  const std::optional<at::Tensor>& cu_seqlens_k;
+  int64_t max_seqlen_q;
+  int64_t max_seqlen_k;
+  double dropout_p;
+  double softmax_scale;
+  bool causal;
+  int64_t window_left;
+  int64_t window_right;
+  double softcap;
+  const std::optional<at::Tensor>& alibi_slopes;
+  bool varlen() const { return cu_seqlens_q.has_value(); }
+};
+// Layouts, dtypes, head counts and dims, cu_seqlens (int32 [B + 1] on the tensors' device, from 0,
+// non-decreasing, ending at the packed row count, no sequence longer than max_seqlen: their values
+// are read, one device-to-host copy on CUDA), window sizes >= -1, softcap >= 0, alibi_slopes fp32
+// [Hq] or [B, Hq], dropout_p in [0, 1).
+void check_flash_inputs(const char* op, const FlashArgs& args);
+// The backward's extra inputs, as _flash_forward returned them (call after check_flash_inputs).
+void check_flash_backward_inputs(const char* op, const FlashArgs& args, const at::Tensor& grad_out,
+                                 const at::Tensor& out, const at::Tensor& softmax_lse,
+                                 const at::Tensor& rng_state);
+// fp32 softmax_lse: [B, Hq, Sq], or [Hq, total_q] for varlen (fp64 for fp64 inputs, like
+// allocate_lse).
+at::Tensor allocate_flash_lse(const FlashArgs& args);
+// causal=True is CausalMode::kBottomRight with window right = 0; window sides that cannot hide a
+// key (left >= max_seqlen_k, right >= max_seqlen_q) become -1, so they fit WindowParams' int32.
+ForwardParams make_flash_forward_params(const FlashArgs& args, const at::Tensor& out,
+                                        const at::Tensor& softmax_lse);
+BackwardParams make_flash_backward_params(const FlashArgs& args, const at::Tensor& grad_out,
+                                          const at::Tensor& out, const at::Tensor& softmax_lse,
+                                          const at::Tensor& grad_query, const at::Tensor& grad_key,
+                                          const at::Tensor& grad_value, bool deterministic);
 
 }  // namespace flashv100

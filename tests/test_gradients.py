@@ -85,3 +85,18 @@ def test_deterministic_backward_is_bitwise_reproducible(device):
         torch.use_deterministic_algorithms(False)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 3, 5, 6), (1, 3, 1, 6)], ids=["full", "broadcast"])
+def test_fp64_mask_gradient_is_exact(mask_shape):
+    """fp64 inputs: the additive mask's gradient is accumulated in fp64 (an fp32 buffer leaves
+    errors around 1e-7), as exact as SDPA's math backend."""
+    q, k, v = make_qkv(2, 3, 3, 5, 6, 8, torch.float64, "cpu", requires_grad=True)
+    bias = torch.randn(*mask_shape, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    ours = torch.autograd.grad(flash.attention(q, k, v, attn_mask=bias), (q, bias), grad_out)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    expected = torch.autograd.grad(sdpa, (q, bias), grad_out)
+    for a, b in zip(ours, expected):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)

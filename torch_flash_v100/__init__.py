@@ -13,6 +13,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the extension: registers the flashv100 ops)
 from . import _ops  # noqa: F401  (fake kernels and autograd)
+from . import _flash_ops  # noqa: F401  (the same for the FlashAttention-2 ops)
 from .reference import reference_attention
 
 __version__ = "0.1.0"
@@ -62,6 +63,11 @@ def kernel_path(device: torch.device | str | None = None) -> str:
 
 
 _COMPILE_API = ("enable", "disable", "backend")
+_FLASH_ATTN_API = (
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+)
 
 
 def __getattr__(name: str):
@@ -70,10 +76,14 @@ def __getattr__(name: str):
         from . import compile as _compile
 
         return getattr(_compile, name)
+    if name in _FLASH_ATTN_API:
+        from . import flash_attn_interface
+
+        return getattr(flash_attn_interface, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "attention", "build_info", "force_volta_atom", "set_force_volta_atom", "volta_atom",
-    "kernel_path", "reference_attention", "__version__", *_COMPILE_API,
+    "kernel_path", "reference_attention", "__version__", *_COMPILE_API, *_FLASH_ATTN_API,
 ]

@@ -4,7 +4,8 @@ The schemas and the device kernels are registered in C++ (csrc/ops.cpp, csrc/cpu
 The public op ``flashv100::attention`` is a composite over ``flashv100::_attention_forward``;
 autograd is defined on the latter, and its backward is ``flashv100::_attention_backward``, whose
 own autograd formula (double backward: gradient penalties, Hessian-vector products) differentiates
-the reference math twice.
+the reference math twice. The FlashAttention-2 ops ``_flash_forward`` / ``_flash_backward`` have
+their fake kernels here and their autograd in ``_flash_ops``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,30 @@ def _attention_backward_fake(grad_out, query, key, value, attn_mask, out, lse, r
     grad_mask = (attn_mask.new_empty(attn_mask.shape) if mask_requires_grad
                  else query.new_empty((0,)))
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_mask)
+
+
+def _lse_shape(query: torch.Tensor, cu_seqlens_q) -> tuple:
+    # Mirrors allocate_flash_lse in csrc/tensor_params.cpp: [B, Hq, Sq], or [Hq, total_q] (varlen).
+    if cu_seqlens_q is None:
+        return (query.shape[0], query.shape[2], query.shape[1])
+    return (query.shape[1], query.shape[0])
+
+
+@torch.library.register_fake("flashv100::_flash_forward")
+def _flash_forward_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                        alibi_slopes):
+    out = torch.empty_like(query)
+    lse = query.new_empty(_lse_shape(query, cu_seqlens_q), dtype=_lse_dtype(query))
+    rng_state = query.new_empty((2,), dtype=torch.int64)
+    return out, lse, rng_state
+
+
+@torch.library.register_fake("flashv100::_flash_backward")
+def _flash_backward_fake(grad_out, query, key, value, out, softmax_lse, rng_state, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                         window_left, window_right, softcap, alibi_slopes, deterministic):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 @torch.library.register_fake("flashv100::_dropout_mask")

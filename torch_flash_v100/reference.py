@@ -1,7 +1,10 @@
-"""Pure-PyTorch reference of the flashv100 semantics (those of scaled_dot_product_attention).
+"""Pure-PyTorch references of the flashv100 semantics: those of scaled_dot_product_attention
+(``reference_attention``) and those of FlashAttention-2 (``flash_reference_attention``).
 
-Materialises the score matrix; computes in the dtype it is given (pass float64 tensors for ground
-truth). Used by the tests and the benchmarks, never by the library itself.
+They materialise the score matrix. ``reference_attention`` computes in the dtype it is given (pass
+float64 tensors for ground truth); ``flash_reference_attention`` in ``compute_dtype``. Used by the
+tests and the benchmarks; the library itself only uses ``flash_scores`` for the optional
+``S_dmask`` output of the FlashAttention-2 functions.
 """
 
 from __future__ import annotations
@@ -94,3 +97,97 @@ def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p)
     return probs @ value
+
+
+def flash_keep_mask(len_q: int, len_kv: int, *, causal: bool = False, window_size=(-1, -1),
+                    seqlens_q: Optional[torch.Tensor] = None,
+                    seqlens_k: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
+    """FlashAttention-2 visibility, bool [Sq, Sk] = [len_q, len_kv]: True where query i sees key j.
+
+    With shift = len_kv - len_q (bottom-right alignment): causal -> j <= i + shift; window right
+    >= 0 -> j <= i + shift + right; window left >= 0 -> j >= i + shift - left. ``seqlens_q`` /
+    ``seqlens_k`` (int tensors [B]) make it [B, 1, Sq, Sk] for zero-padded batches of sequences
+    of those lengths: shift per sequence, rows and keys past a sequence's end hidden.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(len_q, device=device)[:, None]
+    cols = torch.arange(len_kv, device=device)[None, :]
+    keep = torch.ones(len_q, len_kv, dtype=torch.bool, device=device)
+    if seqlens_q is None:
+        diagonal = rows + (len_kv - len_q)
+    else:
+        lens_q = seqlens_q.to(device)[:, None, None, None]
+        lens_k = seqlens_k.to(device)[:, None, None, None]
+        diagonal = rows + (lens_k - lens_q)
+        keep = (rows < lens_q) & (cols < lens_k)
+    if right >= 0:
+        keep = keep & (cols <= diagonal + right)
+    if left >= 0:
+        keep = keep & (cols >= diagonal - left)
+    return keep
+
+
+def flash_scores(q: torch.Tensor, k: torch.Tensor, *, softmax_scale: float, causal: bool = False,
+                 window_size=(-1, -1), softcap: float = 0.0,
+                 alibi_slopes: Optional[torch.Tensor] = None,
+                 seqlens_q: Optional[torch.Tensor] = None,
+                 seqlens_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The scores the FlashAttention-2 softmax sees, [B, Hq, Sq, Sk] in q's dtype, -inf where a key
+    is hidden: s = softmax_scale * q.k, then softcap * tanh(s / softcap) (softcap > 0), then
+    - slope[b, h] * |i + shift - j| (ALiBi). q [B, Sq, Hq, D], k [B, Sk, Hkv, D] (GQA by head
+    counts). ``seqlens_q`` / ``seqlens_k`` (int tensors [B]): per-sequence lengths of zero-padded
+    batches (see ``flash_keep_mask``).
+    """
+    len_q, heads_q = q.shape[1], q.shape[2]
+    len_kv, heads_kv = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(heads_q // heads_kv, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        rows = torch.arange(len_q, device=q.device)[:, None]
+        cols = torch.arange(len_kv, device=q.device)[None, :]
+        shift = (len_kv - len_q if seqlens_q is None
+                 else (seqlens_k - seqlens_q).to(q.device)[:, None, None, None])
+        distance = (rows + shift - cols).abs().to(q.dtype)
+        slopes = alibi_slopes.to(q.dtype).reshape(-1, heads_q)[:, :, None, None]
+        scores = scores - slopes * distance
+    keep = flash_keep_mask(len_q, len_kv, causal=causal, window_size=window_size,
+                           seqlens_q=seqlens_q, seqlens_k=seqlens_k, device=q.device)
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def flash_reference_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+                              compute_dtype=torch.float64):
+    """Dense-batch FA2 semantics in plain differentiable PyTorch: q [B, Sq, Hq, D], k/v
+    [B, Sk, Hkv, D]; dropout_keep: bool [B, Hq, Sq, Sk] (applied with 1/(1-p)).
+    Returns (out [B, Sq, Hq, D] in compute_dtype, lse [B, Hq, Sq] in compute_dtype).
+
+    Rows that see no key give out = 0 and lse = -inf. Written from the definitions (see
+    ``flash_scores``), never calling the kernels.
+    """
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    scores = flash_scores(q, k, softmax_scale=softmax_scale, causal=causal,
+                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    # Softmax shifted by the (constant) row max; rows that see nothing stay finite and zero.
+    if scores.shape[-1] > 0:
+        row_max = scores.amax(dim=-1, keepdim=True).detach()
+    else:  # no keys at all
+        row_max = scores.new_full(scores.shape[:-1] + (1,), float("-inf"))
+    hidden = torch.isneginf(row_max)
+    row_max = row_max.masked_fill(hidden, 0.0)
+    exp = torch.exp(scores - row_max)
+    total = exp.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(compute_dtype).tiny)
+    probs = (exp / total).masked_fill(hidden, 0.0)
+    lse = (row_max + torch.log(total)).masked_fill(hidden, float("-inf")).squeeze(-1)
+    if dropout_p > 0.0:
+        if dropout_keep is None:
+            raise ValueError("flash_reference_attention: dropout_p > 0 needs dropout_keep")
+        probs = probs * dropout_keep / (1.0 - dropout_p)
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse

@@ -28,10 +28,15 @@ void parallel_over_blocks(int64_t batch, int64_t heads, int64_t length, int64_t 
   });
 }
 
+// Rows [row_begin, row_end) of one (batch, query head); rows past the sequence's end (varlen
+// blocks sized by max_seqlen_q) do nothing. Key blocks no row of the block sees are skipped.
 template <typename Scalar, typename Acc>
 void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_q,
                   int64_t row_begin, int64_t row_end) {
   const AttentionShape& sh = p.shape;
+  const SequenceSpan span = sequence_span(p, batch);
+  row_end = std::min(row_end, span.len_q);
+  if (row_begin >= row_end) return;
   const int64_t dim = sh.head_dim, dim_v = sh.head_dim_v;
   const int64_t head_kv = kv_head_of(head_q, sh.heads_q, sh.heads_kv);
   const int64_t rows = row_end - row_begin;
@@ -43,15 +48,19 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
       keep(kBlockKV);
   std::vector<Acc> acc(rows * dim_v, Acc(0)), row_max(rows, static_cast<Acc>(kNegInf)),
       row_sum(rows, Acc(0));
-  load_rows<Scalar>(p.q, p.q_strides, batch, head_q, row_begin, row_end, dim, q.data());
+  load_rows<Scalar>(p.q, p.q_strides, batch, head_q, span.q_start + row_begin,
+                    span.q_start + row_end, dim, q.data());
 
-  const int64_t cols_end = visible_cols_end(p, row_begin, row_end);
-  for (int64_t col_begin = 0; col_begin < cols_end; col_begin += kBlockKV) {
+  const KeyRange keys = visible_keys(p, span, row_begin, row_end);
+  for (int64_t col_begin = keys.begin / kBlockKV * kBlockKV; col_begin < keys.end;
+       col_begin += kBlockKV) {
     const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin,
-                 std::min(col_begin + kBlockKV, cols_end)};
-    load_rows<Scalar>(p.k, p.k_strides, batch, head_kv, t.col_begin, t.col_end, dim, k.data());
-    load_rows<Scalar>(p.v, p.v_strides, batch, head_kv, t.col_begin, t.col_end, dim_v, v.data());
-    tile_scores(p, t, q.data(), k.data(), scores.data());
+                 std::min(col_begin + kBlockKV, keys.end)};
+    load_rows<Scalar>(p.k, p.k_strides, batch, head_kv, span.k_start + t.col_begin,
+                      span.k_start + t.col_end, dim, k.data());
+    load_rows<Scalar>(p.v, p.v_strides, batch, head_kv, span.k_start + t.col_begin,
+                      span.k_start + t.col_end, dim_v, v.data());
+    tile_scores(p, span, t, q.data(), k.data(), scores.data());
     for (int64_t r = 0; r < rows; ++r) {
       const Acc* s = scores.data() + r * t.cols();
       Acc new_max = row_max[r];
@@ -79,13 +88,14 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
 
   Scalar* out = static_cast<Scalar*>(p.out) + batch * p.out_strides.batch +
                 head_q * p.out_strides.head;
-  Acc* lse_rows = lse + batch_head * sh.len_q;
+  Acc* lse_rows = lse + lse_offset(p, span, batch, head_q);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row_begin + r;
     const bool empty = row_sum[r] == Acc(0);  // every key hidden: zeros, as SDPA gives
     const Acc inv_sum = empty ? Acc(0) : Acc(1) / row_sum[r];
     for (int64_t e = 0; e < dim_v; ++e) {
-      out[row * p.out_strides.row + e] = static_cast<Scalar>(acc[r * dim_v + e] * inv_sum);
+      out[(span.q_start + row) * p.out_strides.row + e] =
+          static_cast<Scalar>(acc[r * dim_v + e] * inv_sum);
     }
     lse_rows[row] = empty ? static_cast<Acc>(kNegInf) : row_max[r] + std::log(row_sum[r]);
   }
@@ -113,30 +123,33 @@ struct RowTile {
 // is only as precise as its own spacing: with huge biases (finfo.min on every visible key) log(sum)
 // rounds away entirely and exp(s - lse) sums to `sum`, not 1. From |lse| = 2^16 on (spacing
 // 2^-7 in fp32) the row's sum of exp(s - lse) is recounted from its scores (s - lse is exact
-// there) and the factor is 1 / sum; everywhere else it is 1.
+// there) and the factor is 1 / sum; everywhere else it is 1. Laid out like lse (lse_size entries).
 template <typename Scalar, typename Acc>
-std::vector<Acc> saturated_row_norms(const ForwardParams& f, const Acc* lse) {
+std::vector<Acc> saturated_row_norms(const ForwardParams& f, const Acc* lse, int64_t lse_size) {
   const AttentionShape& sh = f.shape;
   const int64_t dim = sh.head_dim;
-  std::vector<Acc> norm(sh.batch * sh.heads_q * sh.len_q, Acc(1));
+  std::vector<Acc> norm(lse_size, Acc(1));
   parallel_over_blocks(
       sh.batch, sh.heads_q, sh.len_q, kBlockQ,
       [&](int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end) {
+        const SequenceSpan span = sequence_span(f, batch);
         const int64_t head_kv = kv_head_of(head_q, sh.heads_q, sh.heads_kv);
-        const int64_t offset = (batch * sh.heads_q + head_q) * sh.len_q;
+        const int64_t offset = lse_offset(f, span, batch, head_q);
         std::vector<Acc> q(dim), k(kBlockKV * dim), scores(kBlockKV);
-        for (int64_t row = row_begin; row < row_end; ++row) {
+        for (int64_t row = row_begin; row < std::min(row_end, span.len_q); ++row) {
           const Acc l = lse[offset + row];
           if (l == static_cast<Acc>(kNegInf) || std::abs(l) < static_cast<Acc>(kSaturatedLse)) continue;
-          load_rows<Scalar>(f.q, f.q_strides, batch, head_q, row, row + 1, dim, q.data());
+          load_rows<Scalar>(f.q, f.q_strides, batch, head_q, span.q_start + row,
+                            span.q_start + row + 1, dim, q.data());
           Acc sum = 0;
-          const int64_t cols_end = visible_cols_end(f, row, row + 1);
-          for (int64_t col_begin = 0; col_begin < cols_end; col_begin += kBlockKV) {
+          const KeyRange keys = visible_keys(f, span, row);
+          for (int64_t col_begin = keys.begin / kBlockKV * kBlockKV; col_begin < keys.end;
+               col_begin += kBlockKV) {
             const Tile t{batch, head_q, head_kv, row, row + 1, col_begin,
-                         std::min(col_begin + kBlockKV, cols_end)};
-            load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, t.col_begin, t.col_end, dim,
-                              k.data());
-            tile_scores(f, t, q.data(), k.data(), scores.data());
+                         std::min(col_begin + kBlockKV, keys.end)};
+            load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, span.k_start + t.col_begin,
+                              span.k_start + t.col_end, dim, k.data());
+            tile_scores(f, span, t, q.data(), k.data(), scores.data());
             for (int64_t c = 0; c < t.cols(); ++c) sum += std::exp(scores[c] - l);
           }
           norm[offset + row] = Acc(1) / sum;
@@ -145,16 +158,21 @@ std::vector<Acc> saturated_row_norms(const ForwardParams& f, const Acc* lse) {
   return norm;
 }
 
-// Visits every visible element of a tile with (r, c, P, dropout factor, dS).
+// Visits every visible element of a tile with (r, c, P, dropout factor, dS, dS_raw): dS is the
+// gradient of the score the softmax sees, dS_raw that of scale * q.k (they differ by the softcap's
+// derivative).
 template <typename Acc, typename Visit>
-void for_each_grad_element(const BackwardParams& p, const Tile& t, const RowTile<Acc>& rows,
-                           const Acc* k, const Acc* v, Acc* scores, Visit&& visit) {
+void for_each_grad_element(const BackwardParams& p, const SequenceSpan& span, const Tile& t,
+                           const RowTile<Acc>& rows, const Acc* k, const Acc* v, Acc* scores,
+                           Visit&& visit) {
   const ForwardParams& f = p.fwd;
   const int64_t dim_v = f.shape.head_dim_v;
   const int64_t batch_head = t.batch * f.shape.heads_q + t.head_q;
   const bool dropout = f.dropout.p > 0.0f;
+  const bool softcap = f.score_mod.softcap > 0.0f;
   const uint32_t threshold = dropout_threshold(f.dropout.p);
-  tile_scores(f, t, rows.q.data(), k, scores);
+  std::vector<Acc> cap_grad(softcap ? t.rows() * t.cols() : 0);
+  tile_scores(f, span, t, rows.q.data(), k, scores, softcap ? cap_grad.data() : nullptr);
   std::vector<Acc> keep(t.cols(), Acc(1));
   for (int64_t r = 0; r < t.rows(); ++r) {
     if (rows.lse[r] == static_cast<Acc>(kNegInf)) continue;  // fully hidden row: zero grads
@@ -167,12 +185,13 @@ void for_each_grad_element(const BackwardParams& p, const Tile& t, const RowTile
       if (s == static_cast<Acc>(kNegInf)) continue;
       const Acc prob = std::exp(s - rows.lse[r]) * rows.norm[r];
       const Acc dprob = keep[c] * dot(rows.dout.data() + r * dim_v, v + c * dim_v, dim_v);
-      visit(r, c, prob, keep[c], prob * (dprob - rows.delta[r]));
+      const Acc dscore = prob * (dprob - rows.delta[r]);
+      visit(r, c, prob, keep[c], dscore, softcap ? dscore * cap_grad[r * t.cols() + c] : dscore);
     }
   }
 }
 
-// The per-row vectors of the backward: lse, D = rowsum(dO * O), and the P factor.
+// The per-row vectors of the backward, laid out like lse: lse, D = rowsum(dO * O), the P factor.
 template <typename Acc>
 struct RowVectors {
   const Acc* lse;
@@ -181,14 +200,15 @@ struct RowVectors {
 };
 
 template <typename Scalar, typename Acc>
-void load_row_tile(const BackwardParams& p, const RowVectors<Acc>& vec, int64_t batch,
-                   int64_t head_q, int64_t row_begin, int64_t row_end, RowTile<Acc>& tile) {
+void load_row_tile(const BackwardParams& p, const RowVectors<Acc>& vec, const SequenceSpan& span,
+                   int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end,
+                   RowTile<Acc>& tile) {
   const ForwardParams& f = p.fwd;
-  load_rows<Scalar>(f.q, f.q_strides, batch, head_q, row_begin, row_end, f.shape.head_dim,
-                    tile.q.data());
-  load_rows<Scalar>(p.dout, p.dout_strides, batch, head_q, row_begin, row_end,
-                    f.shape.head_dim_v, tile.dout.data());
-  const int64_t offset = (batch * f.shape.heads_q + head_q) * f.shape.len_q;
+  load_rows<Scalar>(f.q, f.q_strides, batch, head_q, span.q_start + row_begin,
+                    span.q_start + row_end, f.shape.head_dim, tile.q.data());
+  load_rows<Scalar>(p.dout, p.dout_strides, batch, head_q, span.q_start + row_begin,
+                    span.q_start + row_end, f.shape.head_dim_v, tile.dout.data());
+  const int64_t offset = lse_offset(f, span, batch, head_q);
   std::copy(vec.lse + offset + row_begin, vec.lse + offset + row_end, tile.lse.begin());
   std::copy(vec.delta + offset + row_begin, vec.delta + offset + row_end, tile.delta.begin());
   std::copy(vec.norm + offset + row_begin, vec.norm + offset + row_end, tile.norm.begin());
@@ -205,45 +225,54 @@ void store_rows(void* base, const TensorStrides& s, int64_t batch, int64_t head,
   }
 }
 
-// dK and dV of one block of keys, summed over the query heads that share it (GQA).
-// dmask: the additive mask's gradient [B, Hq, L, S] in Acc (fp64 stays exact), or nullptr.
+// dK and dV of one block of keys, summed over the query heads that share it (GQA). Row blocks that
+// see none of the block's keys are skipped. dmask: the additive mask's [B, Hq, Lq, Lkv] gradient
+// (dense batches only), or nullptr.
 template <typename Scalar, typename Acc>
-void backward_key_block(const BackwardParams& p, const RowVectors<Acc>& vec, Acc* dmask_full,
+void backward_key_block(const BackwardParams& p, const RowVectors<Acc>& vec, Acc* dmask,
                         int64_t batch, int64_t head_kv, int64_t col_begin, int64_t col_end) {
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
+  const SequenceSpan span = sequence_span(f, batch);
+  col_end = std::min(col_end, span.len_kv);
+  if (col_begin >= col_end) return;
   const int64_t dim = sh.head_dim, dim_v = sh.head_dim_v, cols = col_end - col_begin;
   const int64_t group = sh.heads_q / sh.heads_kv;
   std::vector<Acc> k(cols * dim), v(cols * dim_v), dk(cols * dim, Acc(0)), dv(cols * dim_v, Acc(0));
   std::vector<Acc> scores(kBlockQ * cols);
   RowTile<Acc> rows(kBlockQ, dim, dim_v);
-  load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, col_begin, col_end, dim, k.data());
-  load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, col_begin, col_end, dim_v, v.data());
+  load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, span.k_start + col_begin,
+                    span.k_start + col_end, dim, k.data());
+  load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, span.k_start + col_begin,
+                    span.k_start + col_end, dim_v, v.data());
   const Acc scale = static_cast<Acc>(f.scale);
   for (int64_t head_q = head_kv * group; head_q < (head_kv + 1) * group; ++head_q) {
-    Acc* dmask = dmask_full == nullptr
-                     ? nullptr
-                     : dmask_full + (batch * sh.heads_q + head_q) * sh.len_q * sh.len_kv;
-    for (int64_t row_begin = 0; row_begin < sh.len_q; row_begin += kBlockQ) {
-      const int64_t row_end = std::min(row_begin + kBlockQ, sh.len_q);
-      if (visible_cols_end(f, row_begin, row_end) <= col_begin) continue;
-      load_row_tile<Scalar>(p, vec, batch, head_q, row_begin, row_end, rows);
+    Acc* dmask_head = dmask == nullptr
+                          ? nullptr
+                          : dmask + (batch * sh.heads_q + head_q) * sh.len_q * sh.len_kv;
+    for (int64_t row_begin = 0; row_begin < span.len_q; row_begin += kBlockQ) {
+      const int64_t row_end = std::min(row_begin + kBlockQ, span.len_q);
+      const KeyRange keys = visible_keys(f, span, row_begin, row_end);
+      if (keys.end <= col_begin || keys.begin >= col_end) continue;
+      load_row_tile<Scalar>(p, vec, span, batch, head_q, row_begin, row_end, rows);
       const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
-      for_each_grad_element(p, t, rows, k.data(), v.data(), scores.data(),
-                            [&](int64_t r, int64_t c, Acc prob, Acc keep, Acc dscore) {
+      for_each_grad_element(p, span, t, rows, k.data(), v.data(), scores.data(),
+                            [&](int64_t r, int64_t c, Acc prob, Acc keep, Acc dscore, Acc draw) {
                               const Acc* dout_row = rows.dout.data() + r * dim_v;
                               const Acc* q_row = rows.q.data() + r * dim;
                               const Acc pv = prob * keep;
                               for (int64_t e = 0; e < dim_v; ++e) dv[c * dim_v + e] += pv * dout_row[e];
-                              for (int64_t e = 0; e < dim; ++e) dk[c * dim + e] += scale * dscore * q_row[e];
-                              if (dmask != nullptr) {
-                                dmask[(row_begin + r) * sh.len_kv + col_begin + c] = dscore;
+                              for (int64_t e = 0; e < dim; ++e) dk[c * dim + e] += scale * draw * q_row[e];
+                              if (dmask_head != nullptr) {
+                                dmask_head[(row_begin + r) * sh.len_kv + col_begin + c] = dscore;
                               }
                             });
     }
   }
-  store_rows<Scalar>(p.dk, p.dk_strides, batch, head_kv, col_begin, col_end, dim, dk.data());
-  store_rows<Scalar>(p.dv, p.dv_strides, batch, head_kv, col_begin, col_end, dim_v, dv.data());
+  store_rows<Scalar>(p.dk, p.dk_strides, batch, head_kv, span.k_start + col_begin,
+                     span.k_start + col_end, dim, dk.data());
+  store_rows<Scalar>(p.dv, p.dv_strides, batch, head_kv, span.k_start + col_begin,
+                     span.k_start + col_end, dim_v, dv.data());
 }
 
 // dQ of one block of query rows.
@@ -252,39 +281,48 @@ void backward_query_block(const BackwardParams& p, const RowVectors<Acc>& vec, i
                           int64_t head_q, int64_t row_begin, int64_t row_end) {
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
+  const SequenceSpan span = sequence_span(f, batch);
+  row_end = std::min(row_end, span.len_q);
+  if (row_begin >= row_end) return;
   const int64_t dim = sh.head_dim, dim_v = sh.head_dim_v, rows_n = row_end - row_begin;
   const int64_t head_kv = kv_head_of(head_q, sh.heads_q, sh.heads_kv);
   std::vector<Acc> k(kBlockKV * dim), v(kBlockKV * dim_v), dq(rows_n * dim, Acc(0));
   std::vector<Acc> scores(rows_n * kBlockKV);
   RowTile<Acc> rows(rows_n, dim, dim_v);
-  load_row_tile<Scalar>(p, vec, batch, head_q, row_begin, row_end, rows);
+  load_row_tile<Scalar>(p, vec, span, batch, head_q, row_begin, row_end, rows);
   const Acc scale = static_cast<Acc>(f.scale);
-  const int64_t cols_end = visible_cols_end(f, row_begin, row_end);
-  for (int64_t col_begin = 0; col_begin < cols_end; col_begin += kBlockKV) {
-    const int64_t col_end = std::min(col_begin + kBlockKV, cols_end);
-    load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, col_begin, col_end, dim, k.data());
-    load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, col_begin, col_end, dim_v, v.data());
+  const KeyRange keys = visible_keys(f, span, row_begin, row_end);
+  for (int64_t col_begin = keys.begin / kBlockKV * kBlockKV; col_begin < keys.end;
+       col_begin += kBlockKV) {
+    const int64_t col_end = std::min(col_begin + kBlockKV, keys.end);
+    load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, span.k_start + col_begin,
+                      span.k_start + col_end, dim, k.data());
+    load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, span.k_start + col_begin,
+                      span.k_start + col_end, dim_v, v.data());
     const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
-    for_each_grad_element(p, t, rows, k.data(), v.data(), scores.data(),
-                          [&](int64_t r, int64_t c, Acc, Acc, Acc dscore) {
+    for_each_grad_element(p, span, t, rows, k.data(), v.data(), scores.data(),
+                          [&](int64_t r, int64_t c, Acc, Acc, Acc, Acc draw) {
                             const Acc* k_row = k.data() + c * dim;
-                            for (int64_t e = 0; e < dim; ++e) dq[r * dim + e] += scale * dscore * k_row[e];
+                            for (int64_t e = 0; e < dim; ++e) dq[r * dim + e] += scale * draw * k_row[e];
                           });
   }
-  store_rows<Scalar>(p.dq, p.dq_strides, batch, head_q, row_begin, row_end, dim, dq.data());
+  store_rows<Scalar>(p.dq, p.dq_strides, batch, head_q, span.q_start + row_begin,
+                     span.q_start + row_end, dim, dq.data());
 }
 
 // Two passes (keys, then queries) so that no two threads write one gradient element:
-// deterministic by construction, so the `deterministic` flag needs nothing extra here.
+// deterministic by construction, so the `deterministic` flag needs nothing extra here. lse and
+// delta: LseLayout, lse_size entries.
 template <typename Scalar, typename Acc>
-void backward(const BackwardParams& p, const Acc* lse, const Acc* delta, Acc* dmask) {
+void backward(const BackwardParams& p, const Acc* lse, const Acc* delta, int64_t lse_size,
+              Acc* dmask) {
   const AttentionShape& sh = p.fwd.shape;
-  const std::vector<Acc> norm = saturated_row_norms<Scalar>(p.fwd, lse);
+  const std::vector<Acc> norm = saturated_row_norms<Scalar>(p.fwd, lse, lse_size);
   const RowVectors<Acc> vec{lse, delta, norm.data()};
   parallel_over_blocks(sh.batch, sh.heads_kv, sh.len_kv, kBlockKV,
                        [&](int64_t batch, int64_t head_kv, int64_t col_begin, int64_t col_end) {
-                         backward_key_block<Scalar, Acc>(p, vec, dmask, batch, head_kv,
-                                                         col_begin, col_end);
+                         backward_key_block<Scalar, Acc>(p, vec, dmask, batch, head_kv, col_begin,
+                                                         col_end);
                        });
   parallel_over_blocks(sh.batch, sh.heads_q, sh.len_q, kBlockQ,
                        [&](int64_t batch, int64_t head_q, int64_t row_begin, int64_t row_end) {
@@ -341,6 +379,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
                         out, lse, rng_state, dropout_p, causal_mode, mask_requires_grad);
   at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key),
              grad_value = at::empty_like(value);
+  // In the accumulation type (lse's), so that fp64 mask gradients stay exact.
   at::Tensor grad_mask_full;
   if (mask_requires_grad) {
     grad_mask_full = at::zeros({query.size(0), query.size(1), query.size(2), key.size(2)},
@@ -350,19 +389,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   const at::Tensor delta = (grad_out.to(lse.scalar_type()) * out.to(lse.scalar_type()))
                                .sum(-1)
                                .contiguous();
-  // The mask gradient goes to backward() in Acc, not through BackwardParams' fp32 pointer.
   BackwardParams p = make_backward_params(grad_out, query, key, value, attn_mask, out, lse_c,
                                           scale, causal_mode, dropout_p, grad_query, grad_key,
-                                          grad_value, at::Tensor(), deterministic);
+                                          grad_value, grad_mask_full, deterministic);
   if (dropout_p > 0.0) load_rng_state(rng_state, p.fwd.dropout);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "flashv100_bwd", [&] {
     using Acc = at::opmath_type<scalar_t>;
-    backward<scalar_t, Acc>(p, lse_c.data_ptr<Acc>(), delta.data_ptr<Acc>(),
+    backward<scalar_t, Acc>(p, lse_c.data_ptr<Acc>(), delta.data_ptr<Acc>(), lse_c.numel(),
                             mask_requires_grad ? grad_mask_full.data_ptr<Acc>() : nullptr);
   });
   at::Tensor grad_mask = mask_requires_grad ? reduce_mask_grad(grad_mask_full, *attn_mask)
                                             : at::empty({0}, query.options());
   return {grad_query, grad_key, grad_value, grad_mask};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  const FlashArgs args{query,        key,          value,     cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                       window_left,  window_right, softcap,   alibi_slopes};
+  check_flash_inputs("flashv100._flash_forward", args);
+  at::Tensor out = at::empty_like(query);
+  at::Tensor lse = allocate_flash_lse(args);
+  ForwardParams p = make_flash_forward_params(args, out, lse);
+  at::Tensor rng_state = make_rng_state(dropout_p, &p.dropout.seed);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "flashv100_flash_fwd", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    forward<scalar_t, Acc>(p, lse.data_ptr<Acc>());
+  });
+  return {out, lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& softmax_lse,
+    const at::Tensor& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    bool deterministic) {
+  constexpr const char* op = "flashv100._flash_backward";
+  const FlashArgs args{query,        key,          value,     cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                       window_left,  window_right, softcap,   alibi_slopes};
+  check_flash_inputs(op, args);
+  check_flash_backward_inputs(op, args, grad_out, out, softmax_lse, rng_state);
+  at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key),
+             grad_value = at::empty_like(value);
+  const at::Tensor lse = softmax_lse.contiguous();
+  // D = rowsum(dO * O) laid out like lse: [B, Sq, Hq] -> [B, Hq, Sq], [total_q, Hq] -> [Hq, total_q].
+  const at::Tensor row_dot = (grad_out.to(lse.scalar_type()) * out.to(lse.scalar_type())).sum(-1);
+  const at::Tensor delta = row_dot.transpose(-2, -1).contiguous();
+  BackwardParams p = make_flash_backward_params(args, grad_out, out, lse, grad_query, grad_key,
+                                                grad_value, deterministic);
+  if (dropout_p > 0.0) load_rng_state(rng_state, p.fwd.dropout);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "flashv100_flash_bwd", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    backward<scalar_t, Acc>(p, lse.data_ptr<Acc>(), delta.data_ptr<Acc>(), lse.numel(), nullptr);
+  });
+  return {grad_query, grad_key, grad_value};
 }
 
 at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads,
@@ -391,6 +480,8 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t 
 TORCH_LIBRARY_IMPL(flashv100, CPU, m) {
   m.impl("_attention_forward", TORCH_FN(attention_forward_cpu));
   m.impl("_attention_backward", TORCH_FN(attention_backward_cpu));
+  m.impl("_flash_forward", TORCH_FN(flash_forward_cpu));
+  m.impl("_flash_backward", TORCH_FN(flash_backward_cpu));
   m.impl("_dropout_mask", TORCH_FN(dropout_mask_cpu));
 }
 

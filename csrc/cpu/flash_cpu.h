@@ -33,18 +33,36 @@ Acc read_scalar(const void* base, int64_t index, ScalarKind kind) {
   return Acc(0);
 }
 
-// First key column hidden by the causal mask for query row `row`; len_kv when nothing is.
-inline int64_t causal_limit(const ForwardParams& p, int64_t row) {
-  switch (p.causal) {
-    case CausalMode::kTopLeft: return std::min(p.shape.len_kv, row + 1);
-    case CausalMode::kBottomRight:
-      return std::clamp<int64_t>(row + 1 + p.shape.len_kv - p.shape.len_q, 0, p.shape.len_kv);
-    case CausalMode::kNone: break;
-  }
-  return p.shape.len_kv;
+// The keys [begin, end) of its sequence that query row `row` sees (params.h, WindowParams);
+// attn_mask aside. begin and end never decrease from one row to the next.
+struct KeyRange {
+  int64_t begin, end;
+};
+
+// i + shift is the key on query row i's diagonal (bottom-right alignment but for kTopLeft).
+inline int64_t diagonal_shift(const ForwardParams& p, const SequenceSpan& s) {
+  return p.causal == CausalMode::kTopLeft ? 0 : s.len_kv - s.len_q;
 }
 
-// One (batch, query head) pair and the rows / columns of a tile of the score matrix.
+inline KeyRange visible_keys(const ForwardParams& p, const SequenceSpan& s, int64_t row) {
+  const int64_t diagonal = row + diagonal_shift(p, s);
+  int64_t begin = 0, end = s.len_kv;
+  if (p.causal != CausalMode::kNone) end = std::min(end, diagonal + 1);
+  if (p.window.right >= 0) end = std::min(end, diagonal + p.window.right + 1);
+  if (p.window.left >= 0) begin = std::max(begin, diagonal - p.window.left);
+  end = std::max<int64_t>(end, 0);
+  return KeyRange{std::min(begin, end), end};
+}
+
+// The keys any row of [row_begin, row_end) can see (a superset where rows' ranges have gaps).
+inline KeyRange visible_keys(const ForwardParams& p, const SequenceSpan& s, int64_t row_begin,
+                             int64_t row_end) {
+  if (row_end <= row_begin) return KeyRange{0, 0};
+  return KeyRange{visible_keys(p, s, row_begin).begin, visible_keys(p, s, row_end - 1).end};
+}
+
+// One (batch, query head) pair of a sequence and the rows / columns (within the sequence) of a
+// tile of its score matrix.
 struct Tile {
   int64_t batch, head_q, head_kv;
   int64_t row_begin, row_end, col_begin, col_end;
@@ -52,7 +70,7 @@ struct Tile {
   int64_t cols() const { return col_end - col_begin; }
 };
 
-// Copies rows [begin, end) of one head of a [B, H, L, D] tensor into a dense Acc buffer.
+// Copies rows [begin, end) (packed row indices for varlen) of one head into a dense Acc buffer.
 template <typename Scalar, typename Acc>
 void load_rows(const void* base, const TensorStrides& s, int64_t batch, int64_t head,
                int64_t begin, int64_t end, int64_t dim, Acc* dst) {
@@ -70,20 +88,36 @@ Acc dot(const Acc* a, const Acc* b, int64_t n) {
   return sum;
 }
 
-// Scaled, masked scores of a tile: -inf where the causal or bool mask hides a key.
+// Scores of a tile with FlashAttention-2's modifiers (params.h, ScoreModParams): -inf where the
+// window, the causal or the bool mask hides a key. With softcap, cap_grad (if not null) receives
+// d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2 per element.
 template <typename Acc>
-void tile_scores(const ForwardParams& p, const Tile& t, const Acc* q, const Acc* k, Acc* scores) {
+void tile_scores(const ForwardParams& p, const SequenceSpan& span, const Tile& t, const Acc* q,
+                 const Acc* k, Acc* scores, Acc* cap_grad = nullptr) {
   const int64_t dim = p.shape.head_dim;
   const MaskParams& m = p.mask;
   const int64_t mask_base = t.batch * m.batch_stride + t.head_q * m.head_stride;
+  const Acc softcap = static_cast<Acc>(p.score_mod.softcap);
+  const bool alibi = p.score_mod.alibi_slopes != nullptr;
+  const Acc slope =
+      alibi ? static_cast<Acc>(
+                  p.score_mod.alibi_slopes[t.batch * p.score_mod.alibi_batch_stride + t.head_q])
+            : Acc(0);
+  const int64_t shift = diagonal_shift(p, span);
   for (int64_t r = 0; r < t.rows(); ++r) {
     const int64_t row = t.row_begin + r;
-    const int64_t visible_end = causal_limit(p, row);
+    const KeyRange visible = visible_keys(p, span, row);
     for (int64_t c = 0; c < t.cols(); ++c) {
       const int64_t col = t.col_begin + c;
       Acc s = -std::numeric_limits<Acc>::infinity();
-      if (col < visible_end) {
+      if (col >= visible.begin && col < visible.end) {
         s = static_cast<Acc>(p.scale) * dot(q + r * dim, k + c * dim, dim);
+        if (softcap > Acc(0)) {
+          const Acc capped = std::tanh(s / softcap);
+          s = softcap * capped;
+          if (cap_grad != nullptr) cap_grad[r * t.cols() + c] = Acc(1) - capped * capped;
+        }
+        if (alibi) s -= slope * static_cast<Acc>(std::abs(row + shift - col));
         if (m.kind != MaskKind::kNone) {
           const Acc value =
               read_scalar<Acc>(m.ptr, mask_base + row * m.row_stride + col * m.col_stride, m.dtype);
@@ -121,9 +155,10 @@ void dropout_row_factors(const DropoutParams& d, uint32_t threshold, int64_t bat
   }
 }
 
-// The column range [0, end) of keys that any row of [row_begin, row_end) can see.
-inline int64_t visible_cols_end(const ForwardParams& p, int64_t row_begin, int64_t row_end) {
-  return row_end > row_begin ? causal_limit(p, row_end - 1) : 0;
+// Offset of row 0 of sequence `span` of (batch, head_q) in lse-shaped arrays (LseLayout).
+inline int64_t lse_offset(const ForwardParams& p, const SequenceSpan& span, int64_t batch,
+                          int64_t head_q) {
+  return batch * p.lse_layout.batch + head_q * p.lse_layout.head + span.q_start;
 }
 
 }  // namespace flashv100::cpu

@@ -1,0 +1,67 @@
+"""Autograd of the FlashAttention-2 internal ops (their fake kernels are in ``_ops``, where the
+library declares its Python registrations).
+
+``flashv100::_flash_forward`` / ``flashv100::_flash_backward`` (schemas in csrc/ops.cpp) take
+FlashAttention-2 layouts: query [B, Sq, Hq, D] and key/value [B, Sk, Hkv, D], or packed
+[total, H, D] with ``cu_seqlens_q/k``. The public functions are in ``flash_attn_interface``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_lib_ops = torch.ops.flashv100
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes) = inputs
+    out, softmax_lse, rng_state = output
+    ctx.save_for_backward(query, key, value, out, softmax_lse, rng_state, cu_seqlens_q,
+                          cu_seqlens_k, alibi_slopes)
+    ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                   window_right, softcap)
+    ctx.deterministic = False  # FlashAttention.apply sets the caller's choice
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_rng_state):
+    (query, key, value, out, softmax_lse, rng_state, cu_seqlens_q, cu_seqlens_k,
+     alibi_slopes) = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+     softcap) = ctx.options
+    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum()
+        grad_out = grad_out.contiguous()
+    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+    grad_query, grad_key, grad_value = _lib_ops._flash_backward(
+        grad_out, query, key, value, out, softmax_lse, rng_state, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+        softcap, alibi_slopes, deterministic)
+    return (grad_query, grad_key, grad_value) + (None,) * 11
+
+
+torch.library.register_autograd(
+    "flashv100::_flash_forward", _backward, setup_context=_setup_context)
+
+
+class FlashAttention(torch.autograd.Function):
+    """``_flash_forward`` with the FlashAttention-2 functions' ``deterministic`` argument (which
+    the op's own autograd formula cannot see: it reads only the global deterministic flag)."""
+
+    @staticmethod
+    def forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                alibi_slopes, deterministic):
+        return _lib_ops._flash_forward(query, key, value, cu_seqlens_q, cu_seqlens_k,
+                                       max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                       causal, window_left, window_right, softcap, alibi_slopes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs[:-1], output)
+        ctx.deterministic = inputs[-1]
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse, grad_rng_state):
+        return _backward(ctx, grad_out, grad_lse, grad_rng_state) + (None,)
