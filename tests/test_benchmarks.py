@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from torch_flash_v100.bench import report
+from torch_flash_v100.bench.harness import (make_attn_mask, padding_lengths, reference_grads, run_suite,
+                                            time_fn)
+from torch_flash_v100.bench.implementations import IMPL_NAMES, Impl, Unsupported, make_impls, naive_attention
+from torch_flash_v100.bench.suites import SUITES, Config, flops_fwd, get_suite
+from torch_flash_v100.reference import reference_attention
 
-from benchmarks import report  # noqa: E402
-from benchmarks.harness import (make_attn_mask, padding_lengths, reference_grads, run_suite,  # noqa: E402
-                                time_fn)
-from benchmarks.implementations import IMPL_NAMES, Impl, Unsupported, make_impls, naive_attention  # noqa: E402
-from benchmarks.suites import SUITES, Config, flops_fwd, get_suite  # noqa: E402
-from torch_flash_v100.reference import reference_attention  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 IMPL_FIELDS = {"fwd_ms", "bwd_ms", "fwdbwd_ms", "tflops_fwd", "tflops_bwd", "tflops_fwdbwd", "mem_mb",
                "mem_fwd_mb", "err_out", "err_dq", "err_dk", "err_dv", "fwd_ms_p20", "fwd_ms_p80", "timer"}
@@ -255,7 +254,7 @@ def test_masks_suite_shapes():
 
 
 def test_cli_accepts_masks_suite():
-    from benchmarks.bench_attention import add_arguments
+    from torch_flash_v100.bench.cli import add_arguments
     from torch_flash_v100 import cli
 
     assert add_arguments(argparse.ArgumentParser()).parse_args(["--suite", "masks"]).suite == "masks"
@@ -382,7 +381,7 @@ def test_refused_mask_or_dropout_is_unsupported_not_a_crash():
 
 def test_commit_from_environment_wins_over_git(monkeypatch):
     """A copied tree names its commit with FLASHV100_COMMIT: stale git metadata must not win."""
-    from benchmarks.harness import collect_metadata
+    from torch_flash_v100.bench.harness import collect_metadata
     monkeypatch.setenv("FLASHV100_COMMIT", "0123456789abcdef")
     md = collect_metadata(torch.device("cpu"))
     assert md["git_commit"] == "0123456789abcdef" and md["git_dirty"] is None

@@ -113,8 +113,18 @@ def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 # metadata
 # ---------------------------------------------------------------------------------------------
 
+def source_checkout() -> Optional[Path]:
+    """The repository root when this package runs from a source checkout (an editable install),
+    None for an installed wheel: a wheel's metadata must not name the commit of whatever git
+    repository happens to contain site-packages."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "csrc").is_dir() else None
+
+
 def _git(*args) -> Optional[str]:
-    root = Path(__file__).resolve().parents[1]
+    root = source_checkout()
+    if root is None:
+        return None
     try:
         r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
         return r.stdout.strip() if r.returncode == 0 else None
