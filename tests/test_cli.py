@@ -1,4 +1,5 @@
-"""``python -m torch_flash_v100`` on CPU: help, info, the demo, bench, explain. No timing checks."""
+"""``python -m torch_flash_v100`` on CPU: help, info, the demo, bench, explain. No timing checks,
+and no time limits: what the commands print does not depend on the machine's speed or load."""
 import json
 import os
 import subprocess
@@ -10,11 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args, timeout=600, cwd=None):
+def run_cli(*args, cwd=None):
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a GPU machine
     r = subprocess.run([sys.executable, "-m", "torch_flash_v100", *args], capture_output=True, text=True,
-                       timeout=timeout, cwd=str(cwd or ROOT), env=env)
+                       cwd=str(cwd or ROOT), env=env)
     return r
 
 
@@ -72,7 +73,7 @@ def test_no_args_runs_demo():
 def test_bench_tiny(tmp_path):
     js, png = tmp_path / "b.json", tmp_path / "b.png"
     r = run_cli("bench", "--suite", "tiny", "--device", "cpu", "--json", str(js), "--plot", str(png),
-                "--no-progress")
+                "--no-progress", "--repetitions", "2")
     assert r.returncode == 0, r.stderr
     assert "| config | impl |" in r.stdout
     doc = json.loads(js.read_text())

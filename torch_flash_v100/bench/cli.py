@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, metavar="SEC",
                    help="wall-time budget for the whole suite; repetitions adapt to it "
                         "(default: per suite, e.g. 170 s for seed/fa2, 45 s for quick; past 1.1x the rest is skipped)")
+    p.add_argument("--repetitions", type=int, default=None, metavar="N",
+                   help="instead of a time budget: time every measurement over exactly N repetitions "
+                        "(after a warm-up); every measurement runs, whatever the machine's speed or load")
     p.add_argument("--timer", default="auto", choices=["auto", "events", "do_bench"],
                    help="CUDA timer: own CUDA-event loop, triton.testing.do_bench, or auto (default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -70,7 +73,20 @@ def run(args) -> int:
         print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
         return 2
     configs = get_suite(args.suite, device, args.dtype)
-    budget = args.time_budget if args.time_budget is not None else SUITES[args.suite][2]
+    repetitions = args.repetitions
+    if repetitions is not None:
+        if args.time_budget is not None:
+            print("error: give --repetitions or --time-budget, not both", file=sys.stderr)
+            return 2
+        if repetitions < 1 or args.timer == "do_bench":
+            print("error: --repetitions needs N >= 1 and a counting timer (not --timer do_bench, "
+                  "which measures for a time)", file=sys.stderr)
+            return 2
+        budget = None
+        timing = f"{repetitions} repetitions per measurement"
+    else:
+        budget = args.time_budget if args.time_budget is not None else SUITES[args.suite][2]
+        timing = f"time budget {budget:.0f}s"
     impl_names = [s.strip() for s in args.impls.split(",")] if args.impls else None
     unknown = [n for n in impl_names or [] if n not in IMPL_NAMES]
     if unknown:
@@ -87,9 +103,8 @@ def run(args) -> int:
         if json_path:
             report.write_json(doc, json_path)
 
-    print(f"suite {args.suite}: {len(configs)} configurations on {device} (time budget {budget:.0f}s)",
-          file=sys.stderr)
-    doc = run_suite(configs, device, impl_names=impl_names, time_budget_s=budget,
+    print(f"suite {args.suite}: {len(configs)} configurations on {device} ({timing})", file=sys.stderr)
+    doc = run_suite(configs, device, impl_names=impl_names, time_budget_s=budget, repetitions=repetitions,
                     progress=not args.no_progress, timer=args.timer, suite=args.suite,
                     on_config_done=save_partial)
     text = report.markdown(doc)
