@@ -83,7 +83,7 @@ def run(args) -> int:
                   "which measures for a time)", file=sys.stderr)
             return 2
         budget = None
-        timing = f"{repetitions} repetitions per measurement"
+        timing = f"{repetitions} repetition{'s' if repetitions != 1 else ''} per measurement"
     else:
         budget = args.time_budget if args.time_budget is not None else SUITES[args.suite][2]
         timing = f"time budget {budget:.0f}s"
