@@ -1,12 +1,66 @@
 """The Python package surface."""
 
+import inspect
+import pydoc
+
 import torch
+import torch.nn.functional as F
 
 import torch_flash_v100 as flash
 
 
-def test_attention_is_the_op():
-    assert flash.attention is torch.ops.flashv100.attention
+def test_attention_has_sdpa_signature_and_docs():
+    params = inspect.signature(flash.attention).parameters
+    assert list(params) == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                            "enable_gqa"]
+    assert {n: p.default for n, p in params.items() if p.default is not p.empty} == {
+        "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    assert [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY] == ["scale", "enable_gqa"]
+    text = pydoc.render_doc(flash.attention, renderer=pydoc.plaintext)
+    assert "attention(query" in text and "scaled_dot_product_attention" in text
+    assert "OpOverloadPacket" not in text
+    for name in params:
+        assert f"{name}:" in flash.attention.__doc__, name
+
+
+def test_public_functions_have_docs():
+    for name in flash.__all__:
+        obj = getattr(flash, name)
+        if callable(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), name
+            inspect.signature(obj)  # a real signature, not (*args, **kwargs) of an op packet
+
+
+def test_dir_lists_the_lazy_compile_api():
+    names = dir(flash)
+    assert {"enable", "disable", "backend", "attention", "build_info"} <= set(names)
+    assert names == sorted(names)
+
+
+def test_attention_calls_the_op():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    torch.testing.assert_close(flash.attention(q, k, v, is_causal=True, scale=0.3),
+                               torch.ops.flashv100.attention(q, k, v, is_causal=True, scale=0.3),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(flash.attention(q, k, v, is_causal=True, scale=0.3),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
+
+
+def test_compiled_graph_holds_the_op():
+    """Dynamo traces through the Python function: its graph calls the op itself."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    out = torch.compile(flash.attention, backend=capture, fullgraph=True)(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, flash.attention(q, k, v, is_causal=True))
+    (graph,) = graphs
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets in ([torch.ops.flashv100.attention.default], [torch.ops.flashv100.attention]), targets
 
 
 def test_version_and_build_info():
