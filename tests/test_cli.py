@@ -48,6 +48,11 @@ def test_info():
     assert r.returncode == 0, r.stderr
     assert "kernel path: cpu" in r.stdout
     assert "torch_version" in r.stdout and "SDPA backends" in r.stdout
+    import torch_flash_v100
+
+    build = torch_flash_v100.build_info()
+    expected = "CUDA kernels: built for sm_" if build["cuda"] else "CUDA kernels: not built"
+    assert expected in r.stdout
 
 
 def test_demo_cpu():

@@ -2,6 +2,8 @@
 
 import inspect
 import pydoc
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -85,3 +87,35 @@ def test_kernel_path_names_cpu():
 def test_seeded_tag():
     assert torch.Tag.nondeterministic_seeded in torch.ops.flashv100._attention_forward.default.tags
     assert torch.Tag.nondeterministic_seeded in torch.ops.flashv100.attention.default.tags
+
+
+def test_missing_cuda_kernels_note(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    note = flash._cuda_kernels_missing_note({"cuda": False})
+    assert "without CUDA kernels" in note and "NotImplementedError" in note and "pip install -v" in note
+    assert "12.6" in note
+    assert flash._cuda_kernels_missing_note({"cuda": True}) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert flash._cuda_kernels_missing_note({"cuda": False}) is None
+
+
+# Imports the package where torch claims a usable CUDA GPU; prints the warnings of the import.
+IMPORT_WITH_CUDA = """
+import warnings
+import torch
+torch.cuda.is_available = lambda: True
+torch.version.cuda = torch.version.cuda or "12.6"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch_flash_v100
+print(torch_flash_v100.build_info()["cuda"])
+print(sum("without CUDA kernels" in str(w.message) for w in caught))
+"""
+
+
+def test_import_warns_once_without_cuda_kernels():
+    r = subprocess.run([sys.executable, "-c", IMPORT_WITH_CUDA], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    has_cuda_kernels, warnings = r.stdout.split()
+    assert warnings == ("0" if has_cuda_kernels == "True" else "1")

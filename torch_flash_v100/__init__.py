@@ -8,6 +8,7 @@ and autograd, usable under ``torch.compile``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Optional
 
 import torch
@@ -69,6 +70,25 @@ def build_info() -> dict:
     info["version"] = __version__
     info["torch_runtime_version"] = torch.__version__
     return info
+
+
+def _cuda_kernels_missing_note(build: dict) -> Optional[str]:
+    """What to tell a user whose torch can use a CUDA GPU when this build has no CUDA kernels
+    (None otherwise): pip hides the CMake summary that says so."""
+    if build["cuda"] or torch.version.cuda is None or not torch.cuda.is_available():
+        return None
+    return ("torch_flash_v100 was built without CUDA kernels (CPU kernels only), but torch can use "
+            "a CUDA GPU: attention on CUDA tensors raises NotImplementedError. To build them, put a "
+            f"CUDA toolkit of torch's CUDA version ({torch.version.cuda}) on PATH and reinstall from "
+            "the source tree: `pip install -v --no-build-isolation .` (-e for a development "
+            "install; TORCH_CUDA_ARCH_LIST=7.0 for a V100), whose CMake output says "
+            "'CUDA kernels ON, archs ...'. `python -m torch_flash_v100 info` shows what was built.")
+
+
+_note = _cuda_kernels_missing_note(_C.build_info())
+if _note:
+    warnings.warn(_note, stacklevel=2)
+del _note
 
 
 def force_volta_atom() -> bool:

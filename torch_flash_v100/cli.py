@@ -334,15 +334,27 @@ def _opt_version(mod: str) -> str:
         return "not installed"
 
 
+def _compiled_archs(build: Dict[str, Any]) -> List[str]:
+    """The sm numbers ("70", "80", ...) this build has CUDA kernels for."""
+    return [a for a in str(build.get("cuda_archs") or "").replace(" ", ";").split(";") if a]
+
+
 def cmd_info(args) -> int:
     tfv = _load_package()
     _p(f"torch-flash-v100 {getattr(tfv, '__version__', '?')}  ({Path(tfv.__file__).parent})")
     _section("build")
-    try:
-        for k, v in tfv.build_info().items():
-            _p(f"  {k}: {v}")
-    except Exception as e:
-        _p(f"  build_info() failed: {type(e).__name__}: {e}")
+    build = tfv.build_info()
+    archs = _compiled_archs(build)
+    if archs:
+        _p(f"  CUDA kernels: built for {', '.join(f'sm_{a}' for a in archs)} "
+           f"(CUDA {build['cuda_version']})")
+    else:
+        _p("  CUDA kernels: not built (CPU kernels only; `pip install -v` shows CMake's reason)")
+    note = tfv._cuda_kernels_missing_note(build)
+    if note:
+        _p(f"  WARNING: {note}")
+    for k, v in build.items():
+        _p(f"  {k}: {v}")
     _section("runtime")
     _p(f"  python {platform.python_version()} on {platform.platform()}")
     _p(f"  torch {torch.__version__} (CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()})")
@@ -365,6 +377,11 @@ def cmd_info(args) -> int:
         except Exception as e:
             kp = f"error: {e}"
         line = f"  {d}: {name}\n      kernel path: {kp}"
+        if d.type == "cuda" and archs:
+            sm = "%d%d" % torch.cuda.get_device_capability(d)
+            if sm not in archs:
+                line += (f"\n      note: sm_{sm} is not among the compiled archs (only a +PTX arch "
+                         f"below it can run here); rebuild with TORCH_CUDA_ARCH_LIST={sm[:-1]}.{sm[-1]}")
         if d.type == "cuda":
             try:
                 with tfv.volta_atom(True):
