@@ -2,6 +2,7 @@
 masks and dropout. No timing checks, and nothing depends on the machine's speed or load: every
 suite runs with a fixed number of repetitions."""
 import argparse
+import copy
 import json
 import shutil
 import subprocess
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from torch_flash_v100.bench import report
-from torch_flash_v100.bench.harness import (make_attn_mask, padding_lengths, reference_grads, run_suite,
-                                            time_fn)
+from torch_flash_v100.bench.harness import (UNSTABLE_SPREAD, make_attn_mask, padding_lengths, reference_grads,
+                                            run_suite, time_fn, unstable_reasons)
 from torch_flash_v100.bench.implementations import IMPL_NAMES, Impl, Unsupported, make_impls, naive_attention
 from torch_flash_v100.bench.suites import SUITES, Config, flops_fwd, get_suite
 from torch_flash_v100.reference import reference_attention
@@ -158,6 +159,72 @@ def test_plot_written(tiny_doc, tmp_path):
     p = report.write_plot(tiny_doc, tmp_path / "tiny.png")
     assert p is not None and p.stat().st_size > 1000
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _sweep_doc(tiny_doc, lengths):
+    """tiny_doc's first configuration repeated over ``lengths`` in one plot group."""
+    ent = tiny_doc["results"][0]
+    results = []
+    for n in lengths:
+        e = copy.deepcopy(ent)
+        e["config"].update(L=n, S=n, group="sweep")
+        e["key"] = f"{ent['key']} L={n}"
+        results.append(e)
+    return dict(tiny_doc, results=results)
+
+
+def test_small_groups_plot_times_as_bars_sweeps_plot_tflops(tiny_doc):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    assert {report.plot_kind([e]) for e in tiny_doc["results"]} == {"bars"}
+    fig = report.build_figure(tiny_doc)
+    assert all("ms" in ax.get_ylabel() for ax in fig.axes)
+    assert all(ax.patches for ax in fig.axes)  # bars drawn in every panel
+    plt.close(fig)
+    sweep = _sweep_doc(tiny_doc, [32, 64, 128])
+    assert report.plot_kind(sweep["results"]) == "lines"
+    assert report.plot_kind(_sweep_doc(tiny_doc, [32, 64])["results"]) == "bars"
+    fig = report.build_figure(sweep)
+    assert all(ax.get_ylabel() == "TFLOP/s" and ax.get_lines() for ax in fig.axes)
+    plt.close(fig)
+
+
+def test_unstable_reasons():
+    stable = {"fwd_ms": 1.0, "fwd_ms_p20": 0.9, "fwd_ms_p80": 1.2, "bwd_ms": 2.0, "bwd_ms_p20": 1.9,
+              "bwd_ms_p80": 2.1, "fwdbwd_ms": 3.0, "fwdbwd_ms_p20": 2.9, "fwdbwd_ms_p80": 3.1}
+    assert unstable_reasons(stable) == []
+    spread = dict(stable, bwd_ms_p80=2.1 * 1.9)
+    assert unstable_reasons(spread) == [f"bwd p20-p80 spread {2.1:.1f}x"]
+    inverted = dict(stable, fwdbwd_ms=0.5, fwdbwd_ms_p20=0.45, fwdbwd_ms_p80=0.55)
+    reasons = unstable_reasons(inverted)
+    assert len(reasons) == 2 and all("fwd+bwd" in r and "faster than" in r for r in reasons)
+    assert UNSTABLE_SPREAD == 2.0
+
+
+def test_unstable_rows_are_flagged(tiny_doc, tmp_path):
+    for ent in tiny_doc["results"]:  # every measurement says whether it is stable
+        assert all(isinstance(r["unstable"], list) for r in ent["impls"].values() if r["status"] == "ok")
+    doc = copy.deepcopy(tiny_doc)
+    for ent in doc["results"]:
+        for r in ent["impls"].values():
+            if r["status"] == "ok":
+                r["unstable"] = []
+    text = report.markdown(doc)
+    assert "[!] |" not in text and "#### Unstable measurements" not in text
+    ent = doc["results"][0]
+    naive = ent["impls"]["naive"]
+    naive.update(fwd_ms=1.0, fwd_ms_p20=0.9, fwd_ms_p80=2.7, bwd_ms=2.0, bwd_ms_p20=1.9, bwd_ms_p80=2.1,
+                 fwdbwd_ms=1.5, fwdbwd_ms_p20=1.4, fwdbwd_ms_p80=1.6)
+    naive["unstable"] = unstable_reasons(naive)
+    assert len(naive["unstable"]) == 2  # the fwd spread; fwd+bwd faster than bwd
+    text = report.markdown(doc)
+    assert f"| {ent['key']} | naive [!] |" in text  # detail table
+    assert f"{ent['speedup']['naive']['fwdbwd']:.2f}x [!]" in text  # summary: the speedup over naive
+    assert "#### Unstable measurements [!]" in text
+    assert f"- {ent['key']} / naive: fwd p20-p80 spread 3.0x; fwd+bwd (1.5 ms) faster than bwd alone" in text
+    saved = json.loads(report.write_json(doc, tmp_path / "u.json").read_text())
+    assert saved["results"][0]["impls"]["naive"]["unstable"] == naive["unstable"]
 
 
 def test_failing_impl_is_recorded_and_run_continues():
@@ -356,7 +423,8 @@ def test_masks_suite_json_and_overhead_table(masks_doc, tmp_path):
     assert "#### Overhead of masks and dropout" in text
     assert "| shape | variant | impl | fwd | fwd+bwd | f+b vs flashv100 |" in text
     some = rows[0]
-    assert f"| {some['shape']} | {some['variant']} | {some['impl']} | {some['fwd']:.2f}x |" in text
+    flag = " [!]" if some["unstable"] else ""
+    assert f"| {some['shape']} | {some['variant']} | {some['impl']} | {some['fwd']:.2f}x{flag} |" in text
     assert "flashv100, largest fwd+bwd overhead" in text
 
 

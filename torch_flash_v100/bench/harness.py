@@ -23,6 +23,8 @@ Method (also written into every JSON under metadata.method):
     not change the count (a padding mask does not reduce it).
   * overhead (suites with mask/dropout variants): time(variant) / time(same shape, plain), per
     implementation.
+  * unstable: a measurement whose p80 / p20 exceeds UNSTABLE_SPREAD in a phase, or whose fwd+bwd
+    is faster than its fwd or bwd alone, lists why under ``unstable`` (empty when neither).
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ from .implementations import FLASH, Impl, Unsupported, load_flashv100, make_impl
 from .suites import BWD_FLOP_RATIO, Config, flops_fwd
 
 __all__ = ["run_suite", "collect_metadata", "time_fn", "peak_memory_mb", "reference_grads",
-           "default_dtype", "DTYPES", "make_attn_mask", "padding_lengths", "overheads"]
+           "default_dtype", "DTYPES", "make_attn_mask", "padding_lengths", "overheads",
+           "unstable_reasons", "UNSTABLE_SPREAD"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -346,7 +349,28 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
         res[f"{name}_reps"] = t["reps"]
         res[f"tflops_{name}"] = fl / (t["ms"] * 1e-3) / 1e12 if t["ms"] > 0 else None
         res["timer"] = t["timer"]
+    res["unstable"] = unstable_reasons(res)
     return res
+
+
+# p80 / p20 of one phase above this: the median is no reliable time (a busy machine, clock changes)
+UNSTABLE_SPREAD = 2.0
+_PHASE_LABELS = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
+
+
+def unstable_reasons(res: Dict[str, Any]) -> List[str]:
+    """Why the times of one measurement are not to be trusted; empty when nothing says so."""
+    reasons = []
+    for ph, label in _PHASE_LABELS.items():
+        p20, p80 = res.get(f"{ph}_ms_p20"), res.get(f"{ph}_ms_p80")
+        if p20 and p80 and p80 / p20 > UNSTABLE_SPREAD:
+            reasons.append(f"{label} p20-p80 spread {p80 / p20:.1f}x")
+    both = res.get("fwdbwd_ms")
+    for ph in ("fwd", "bwd"):
+        alone = res.get(f"{ph}_ms")
+        if both and alone and both < alone:
+            reasons.append(f"fwd+bwd ({both:.3g} ms) faster than {ph} alone ({alone:.3g} ms)")
+    return reasons
 
 
 def _warm_device(device: torch.device, dtypes: Sequence[str]):
@@ -586,6 +610,7 @@ def overheads(configs: Sequence[Config], results: Sequence[Dict[str, Any]],
             row: Dict[str, Any] = {"shape": plain["key"], "variant": cfg.variant(), "impl": name}
             if r.get("status") == "ok" and p.get("status") == "ok":
                 row.update(_time_ratios(r, p))
+                row["unstable"] = bool(r.get("unstable") or p.get("unstable"))
                 if name in ent.get("speedup", {}):
                     row["speedup"] = ent["speedup"][name]
             else:
