@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write the full result document (with metadata) as JSON; a .md with the tables "
                         "is written next to it")
     p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH",
-                   help="write a PNG: TFLOP/s vs sequence length per implementation (needs matplotlib)")
+                   help="write a PNG: TFLOP/s vs sequence length per implementation, or bar charts of the "
+                        "times for small groups (needs matplotlib)")
     p.add_argument("--save", action="store_true",
                    help="write JSON, Markdown and PNG to <dir>/<suite>_<device>.*, <dir> = benchmarks/results "
                         "in a source checkout, else ./bench_results")
