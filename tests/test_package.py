@@ -1,6 +1,8 @@
 """The Python package surface."""
 
+import importlib.metadata
 import inspect
+import os
 import pydoc
 import subprocess
 import sys
@@ -119,3 +121,41 @@ def test_import_warns_once_without_cuda_kernels():
     assert r.returncode == 0, r.stderr
     has_cuda_kernels, warnings = r.stdout.split()
     assert warnings == ("0" if has_cuda_kernels == "True" else "1")
+
+
+def test_numpy_is_a_dependency():
+    """torch warns "Failed to initialize NumPy" at import without numpy: the package depends on it."""
+    requires = importlib.metadata.requires("torch-flash-v100") or []
+    runtime = [r.split(";")[0].strip() for r in requires if "extra ==" not in r]
+    assert "numpy" in runtime, requires
+
+
+# With numpy hidden: the package and its tools still work and add no NumPy warning of their own
+# (torch's own, at `import torch`, is what the dependency avoids).
+WITHOUT_NUMPY = """
+import sys
+import warnings
+
+sys.modules["numpy"] = None  # import numpy raises ImportError; importlib.util.find_spec gives None
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import torch
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch_flash_v100
+    from torch_flash_v100 import cli
+
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    torch_flash_v100.attention(q, q, q, is_causal=True).sum().backward()
+    rc = cli.main(["bench", "--suite", "tiny", "--device", "cpu", "--impls", "flashv100", "--repetitions",
+                   "1", "--no-progress"])
+print("NumPy warnings:", [str(w.message) for w in caught if "NumPy" in str(w.message)])
+sys.exit(rc)
+"""
+
+
+def test_package_needs_no_numpy():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", WITHOUT_NUMPY], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "NumPy warnings: []" in r.stdout
