@@ -48,16 +48,17 @@ if site not in package.parents:
 print(f"torch_flash_v100 {torch_flash_v100.__version__} from {package.parent}")
 EOF
 "$venv_py" -m torch_flash_v100 info
-"$venv_py" -m torch_flash_v100 bench --suite tiny --device cpu --impls flashv100,naive --repetitions 1 \
-  --no-progress --json "$work/run/bench.json"
-"$venv_py" -m torch_flash_v100 e2e --device cpu --modes eager --layers 1 --d-model 32 --heads 2 --seq 16 \
-  --batch 2 --steps 2 --check-steps 1 --json "$work/run/e2e.json"
+"$venv_py" -m torch_flash_v100 bench --suite tiny --device cpu --impls flashv100,naive \
+  --repetitions 1 --no-progress --json "$work/run/bench.json"
+"$venv_py" -m torch_flash_v100 e2e --device cpu --modes eager --layers 1 --d-model 32 --heads 2 \
+  --seq 16 --batch 2 --steps 2 --check-steps 1 --json "$work/run/e2e.json"
 "$venv_py" - <<'EOF'
 import json
 import sys
 
 bench, e2e = json.load(open("bench.json")), json.load(open("e2e.json"))
-bad = [(e["key"], n, r) for e in bench["results"] for n, r in e["impls"].items() if r["status"] != "ok"]
+bad = [(e["key"], n, r) for e in bench["results"] for n, r in e["impls"].items()
+       if r["status"] != "ok"]
 bad += [r for r in e2e["runs"] + e2e["check"] if "error" in r]
 if bad:
     sys.exit(f"wheel smoke: failed measurements: {bad}")

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from torch_flash_v100.bench import report
-from torch_flash_v100.bench.harness import (UNSTABLE_SPREAD, make_attn_mask, padding_lengths, reference_grads,
-                                            run_suite, time_fn, unstable_reasons)
-from torch_flash_v100.bench.implementations import IMPL_NAMES, Impl, Unsupported, make_impls, naive_attention
+from torch_flash_v100.bench.harness import (UNSTABLE_SPREAD, make_attn_mask, padding_lengths,
+                                            reference_grads, run_suite, time_fn, unstable_reasons)
+from torch_flash_v100.bench.implementations import (IMPL_NAMES, Impl, Unsupported, make_impls,
+                                                    naive_attention)
 from torch_flash_v100.bench.suites import SUITES, Config, flops_fwd, get_suite
 from torch_flash_v100.reference import reference_attention
 
@@ -102,8 +103,8 @@ def test_time_fn_fixed_repetitions():
 
 def test_fixed_repetitions_measure_everything():
     """The suites the tests run: every measurement runs its fixed count of repetitions."""
-    doc = run_suite(get_suite("tiny", "cpu"), "cpu", impl_names=["flashv100", "naive"], repetitions=2,
-                    progress=False)
+    doc = run_suite(get_suite("tiny", "cpu"), "cpu", impl_names=["flashv100", "naive"],
+                    repetitions=2, progress=False)
     assert doc["metadata"]["repetitions"] == 2 and doc["metadata"]["time_budget_s"] is None
     for ent in doc["results"]:
         for r in ent["impls"].values():
@@ -204,7 +205,8 @@ def test_unstable_reasons():
 
 def test_unstable_rows_are_flagged(tiny_doc, tmp_path):
     for ent in tiny_doc["results"]:  # every measurement says whether it is stable
-        assert all(isinstance(r["unstable"], list) for r in ent["impls"].values() if r["status"] == "ok")
+        assert all(isinstance(r["unstable"], list) for r in ent["impls"].values()
+                   if r["status"] == "ok")
     doc = copy.deepcopy(tiny_doc)
     for ent in doc["results"]:
         for r in ent["impls"].values():
@@ -214,15 +216,16 @@ def test_unstable_rows_are_flagged(tiny_doc, tmp_path):
     assert "[!] |" not in text and "#### Unstable measurements" not in text
     ent = doc["results"][0]
     naive = ent["impls"]["naive"]
-    naive.update(fwd_ms=1.0, fwd_ms_p20=0.9, fwd_ms_p80=2.7, bwd_ms=2.0, bwd_ms_p20=1.9, bwd_ms_p80=2.1,
-                 fwdbwd_ms=1.5, fwdbwd_ms_p20=1.4, fwdbwd_ms_p80=1.6)
+    naive.update(fwd_ms=1.0, fwd_ms_p20=0.9, fwd_ms_p80=2.7, bwd_ms=2.0, bwd_ms_p20=1.9,
+                 bwd_ms_p80=2.1, fwdbwd_ms=1.5, fwdbwd_ms_p20=1.4, fwdbwd_ms_p80=1.6)
     naive["unstable"] = unstable_reasons(naive)
     assert len(naive["unstable"]) == 2  # the fwd spread; fwd+bwd faster than bwd
     text = report.markdown(doc)
     assert f"| {ent['key']} | naive [!] |" in text  # detail table
-    assert f"{ent['speedup']['naive']['fwdbwd']:.2f}x [!]" in text  # summary: the speedup over naive
+    assert f"{ent['speedup']['naive']['fwdbwd']:.2f}x [!]" in text  # summary: speedup over naive
     assert "#### Unstable measurements [!]" in text
-    assert f"- {ent['key']} / naive: fwd p20-p80 spread 3.0x; fwd+bwd (1.5 ms) faster than bwd alone" in text
+    reasons = "fwd p20-p80 spread 3.0x; fwd+bwd (1.5 ms) faster than bwd alone"
+    assert f"- {ent['key']} / naive: {reasons}" in text
     saved = json.loads(report.write_json(doc, tmp_path / "u.json").read_text())
     assert saved["results"][0]["impls"]["naive"]["unstable"] == naive["unstable"]
 
@@ -252,7 +255,8 @@ def test_script_runs(tmp_path):
     js, png = tmp_path / "t.json", tmp_path / "t.png"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--suite", "tiny",
                         "--device", "cpu", "--impls", "flashv100,naive", "--json", str(js), "--plot", str(png),
-                        "--no-progress", "--repetitions", "2"], capture_output=True, text=True, cwd=str(tmp_path))
+                        "--no-progress", "--repetitions", "2"],
+                       capture_output=True, text=True, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "| config | impl |" in r.stdout
     doc = json.loads(js.read_text())
@@ -424,7 +428,8 @@ def test_masks_suite_json_and_overhead_table(masks_doc, tmp_path):
     assert "| shape | variant | impl | fwd | fwd+bwd | f+b vs flashv100 |" in text
     some = rows[0]
     flag = " [!]" if some["unstable"] else ""
-    assert f"| {some['shape']} | {some['variant']} | {some['impl']} | {some['fwd']:.2f}x{flag} |" in text
+    assert (f"| {some['shape']} | {some['variant']} | {some['impl']} | {some['fwd']:.2f}x{flag} |"
+            in text)
     assert "flashv100, largest fwd+bwd overhead" in text
 
 

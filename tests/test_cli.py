@@ -113,10 +113,10 @@ sys.exit(rc or bool(found))
 
 
 @pytest.mark.parametrize("args", [
-    ["bench", "--suite", "tiny", "--device", "cpu", "--impls", "flashv100,naive", "--repetitions", "1",
-     "--no-progress"],
-    ["e2e", "--device", "cpu", "--modes", "eager", "--layers", "1", "--d-model", "32", "--heads", "2",
-     "--seq", "16", "--batch", "2", "--steps", "2", "--check-steps", "1"],
+    ["bench", "--suite", "tiny", "--device", "cpu", "--impls", "flashv100,naive",
+     "--repetitions", "1", "--no-progress"],
+    ["e2e", "--device", "cpu", "--modes", "eager", "--layers", "1", "--d-model", "32",
+     "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2", "--check-steps", "1"],
 ], ids=["bench", "e2e"])
 def test_cli_imports_nothing_from_the_benchmarks_folder(args, tmp_path):
     """bench and e2e must work from a wheel, which has no benchmarks/ folder (scripts/wheel_smoke.sh

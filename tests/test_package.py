@@ -64,7 +64,8 @@ def test_compiled_graph_holds_the_op():
     torch.testing.assert_close(out, flash.attention(q, k, v, is_causal=True))
     (graph,) = graphs
     targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
-    assert targets in ([torch.ops.flashv100.attention.default], [torch.ops.flashv100.attention]), targets
+    op = torch.ops.flashv100.attention
+    assert targets in ([op.default], [op]), targets
 
 
 def test_version_and_build_info():
@@ -95,8 +96,8 @@ def test_missing_cuda_kernels_note(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "12.6")
     note = flash._cuda_kernels_missing_note({"cuda": False})
-    assert "without CUDA kernels" in note and "NotImplementedError" in note and "pip install -v" in note
-    assert "12.6" in note
+    assert "without CUDA kernels" in note and "NotImplementedError" in note
+    assert "pip install -v" in note and "12.6" in note
     assert flash._cuda_kernels_missing_note({"cuda": True}) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert flash._cuda_kernels_missing_note({"cuda": False}) is None
@@ -124,7 +125,7 @@ def test_import_warns_once_without_cuda_kernels():
 
 
 def test_numpy_is_a_dependency():
-    """torch warns "Failed to initialize NumPy" at import without numpy: the package depends on it."""
+    """torch warns "Failed to initialize NumPy" at import without numpy: the package needs it."""
     requires = importlib.metadata.requires("torch-flash-v100") or []
     runtime = [r.split(";")[0].strip() for r in requires if "extra ==" not in r]
     assert "numpy" in runtime, requires
@@ -147,8 +148,8 @@ with warnings.catch_warnings(record=True) as caught:
 
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     torch_flash_v100.attention(q, q, q, is_causal=True).sum().backward()
-    rc = cli.main(["bench", "--suite", "tiny", "--device", "cpu", "--impls", "flashv100", "--repetitions",
-                   "1", "--no-progress"])
+    rc = cli.main(["bench", "--suite", "tiny", "--device", "cpu", "--impls", "flashv100",
+                   "--repetitions", "1", "--no-progress"])
 print("NumPy warnings:", [str(w.message) for w in caught if "NumPy" in str(w.message)])
 sys.exit(rc)
 """
@@ -156,6 +157,7 @@ sys.exit(rc)
 
 def test_package_needs_no_numpy():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-c", WITHOUT_NUMPY], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-c", WITHOUT_NUMPY], capture_output=True, text=True,
+                       env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "NumPy warnings: []" in r.stdout

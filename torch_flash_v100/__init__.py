@@ -77,11 +77,11 @@ def _cuda_kernels_missing_note(build: dict) -> Optional[str]:
     (None otherwise): pip hides the CMake summary that says so."""
     if build["cuda"] or torch.version.cuda is None or not torch.cuda.is_available():
         return None
-    return ("torch_flash_v100 was built without CUDA kernels (CPU kernels only), but torch can use "
-            "a CUDA GPU: attention on CUDA tensors raises NotImplementedError. To build them, put a "
-            f"CUDA toolkit of torch's CUDA version ({torch.version.cuda}) on PATH and reinstall from "
-            "the source tree: `pip install -v --no-build-isolation .` (-e for a development "
-            "install; TORCH_CUDA_ARCH_LIST=7.0 for a V100), whose CMake output says "
+    return ("torch_flash_v100 was built without CUDA kernels (CPU kernels only), but torch can "
+            "use a CUDA GPU: attention on CUDA tensors raises NotImplementedError. To build them, "
+            f"put a CUDA toolkit of torch's CUDA version ({torch.version.cuda}) on PATH and "
+            "reinstall from the source tree: `pip install -v --no-build-isolation .` (-e for a "
+            "development install; TORCH_CUDA_ARCH_LIST=7.0 for a V100), whose CMake output says "
             "'CUDA kernels ON, archs ...'. `python -m torch_flash_v100 info` shows what was built.")
 
 

@@ -380,8 +380,9 @@ def cmd_info(args) -> int:
         if d.type == "cuda" and archs:
             sm = "%d%d" % torch.cuda.get_device_capability(d)
             if sm not in archs:
-                line += (f"\n      note: sm_{sm} is not among the compiled archs (only a +PTX arch "
-                         f"below it can run here); rebuild with TORCH_CUDA_ARCH_LIST={sm[:-1]}.{sm[-1]}")
+                line += (f"\n      note: sm_{sm} is not among the compiled archs (only a +PTX "
+                         f"arch below it can run here); rebuild with "
+                         f"TORCH_CUDA_ARCH_LIST={sm[:-1]}.{sm[-1]}")
         if d.type == "cuda":
             try:
                 with tfv.volta_atom(True):

@@ -41,17 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write the full result document (with metadata) as JSON; a .md with the tables "
                         "is written next to it")
     p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH",
-                   help="write a PNG: TFLOP/s vs sequence length per implementation, or bar charts of the "
-                        "times for small groups (needs matplotlib)")
+                   help="write a PNG: TFLOP/s vs sequence length per implementation, or bar "
+                        "charts of the times for small groups (needs matplotlib)")
     p.add_argument("--save", action="store_true",
-                   help="write JSON, Markdown and PNG to <dir>/<suite>_<device>.*, <dir> = benchmarks/results "
-                        "in a source checkout, else ./bench_results")
+                   help="write JSON, Markdown and PNG to <dir>/<suite>_<device>.*, <dir> = "
+                        "benchmarks/results in a source checkout, else ./bench_results")
     p.add_argument("--time-budget", type=float, default=None, metavar="SEC",
                    help="wall-time budget for the whole suite; repetitions adapt to it "
                         "(default: per suite, e.g. 170 s for seed/fa2, 45 s for quick; past 1.1x the rest is skipped)")
     p.add_argument("--repetitions", type=int, default=None, metavar="N",
-                   help="instead of a time budget: time every measurement over exactly N repetitions "
-                        "(after a warm-up); every measurement runs, whatever the machine's speed or load")
+                   help="instead of a time budget: time every measurement over exactly N "
+                        "repetitions (after a warm-up); every measurement runs, whatever the "
+                        "machine's speed or load")
     p.add_argument("--timer", default="auto", choices=["auto", "events", "do_bench"],
                    help="CUDA timer: own CUDA-event loop, triton.testing.do_bench, or auto (default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,10 +105,11 @@ def run(args) -> int:
         if json_path:
             report.write_json(doc, json_path)
 
-    print(f"suite {args.suite}: {len(configs)} configurations on {device} ({timing})", file=sys.stderr)
-    doc = run_suite(configs, device, impl_names=impl_names, time_budget_s=budget, repetitions=repetitions,
-                    progress=not args.no_progress, timer=args.timer, suite=args.suite,
-                    on_config_done=save_partial)
+    print(f"suite {args.suite}: {len(configs)} configurations on {device} ({timing})",
+          file=sys.stderr)
+    doc = run_suite(configs, device, impl_names=impl_names, time_budget_s=budget,
+                    repetitions=repetitions, progress=not args.no_progress, timer=args.timer,
+                    suite=args.suite, on_config_done=save_partial)
     text = report.markdown(doc)
     print(text)
     if json_path:

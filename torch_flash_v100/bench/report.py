@@ -9,10 +9,11 @@ from typing import Any, Dict, List, Optional
 
 from .implementations import FLASH
 
-__all__ = ["markdown", "summary_markdown", "detail_markdown", "overhead_markdown", "unstable_markdown",
-           "write_json", "write_plot", "build_figure", "header_markdown", "UNSTABLE_FLAG"]
+__all__ = ["markdown", "summary_markdown", "detail_markdown", "overhead_markdown",
+           "unstable_markdown", "write_json", "write_plot", "build_figure", "header_markdown",
+           "UNSTABLE_FLAG"]
 
-# Marks a cell computed from an unstable measurement (harness.unstable_reasons), listed below the tables
+# Marks cells from an unstable measurement (harness.unstable_reasons); listed below the tables
 UNSTABLE_FLAG = "[!]"
 
 
@@ -78,15 +79,15 @@ def summary_markdown(doc: Dict[str, Any]) -> str:
     for ent in doc.get("results", []):
         fl = ent["impls"].get(FLASH, {})
         if fl.get("status") == "ok":
-            cells = [_f(fl.get("fwd_ms"), 3) + _flag(fl), _f(fl.get("fwdbwd_ms"), 3), _f(fl.get("tflops_fwdbwd")),
-                     _f(fl.get("mem_mb"), 1)]
+            cells = [_f(fl.get("fwd_ms"), 3) + _flag(fl), _f(fl.get("fwdbwd_ms"), 3),
+                     _f(fl.get("tflops_fwdbwd")), _f(fl.get("mem_mb"), 1)]
         else:
             cells = [fl.get("status", "-"), "-", "-", "-"]
         for n in impls:
             sp = ent.get("speedup", {}).get(n, {}).get("fwdbwd")
             if sp is not None:
-                other = ent["impls"].get(n, {})
-                cells.append(f"{sp:.2f}x" + _flag({"unstable": fl.get("unstable") or other.get("unstable")}))
+                either = fl.get("unstable") or ent["impls"].get(n, {}).get("unstable")
+                cells.append(f"{sp:.2f}x" + _flag({"unstable": either}))
             else:
                 cells.append(ent["impls"].get(n, {}).get("status", "-"))
         rows.append("| " + " | ".join([ent["key"]] + cells) + " |")
@@ -159,11 +160,12 @@ def overhead_markdown(doc: Dict[str, Any]) -> str:
 def unstable_markdown(doc: Dict[str, Any]) -> str:
     """One line per unstable measurement and why; empty when there is none."""
     lines = [f"- {ent['key']} / {name}: {'; '.join(r['unstable'])}"
-             for ent in doc.get("results", []) for name, r in ent["impls"].items() if r.get("unstable")]
+             for ent in doc.get("results", []) for name, r in ent["impls"].items()
+             if r.get("unstable")]
     if not lines:
         return ""
-    return (f"{len(lines)} measurement(s) marked {UNSTABLE_FLAG}: their times are not reliable (rerun "
-            "them on an idle machine, or with more repetitions):\n" + "\n".join(lines))
+    return (f"{len(lines)} measurement(s) marked {UNSTABLE_FLAG}: their times are not reliable "
+            "(rerun them on an idle machine, or with more repetitions):\n" + "\n".join(lines))
 
 
 def markdown(doc: Dict[str, Any]) -> str:
