@@ -4,9 +4,8 @@ import sys
 import pytest
 import torch
 
-# Tests import helpers from this folder (attention_testing) and the benchmarks package.
+# Tests import helpers from this folder (attention_testing).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_flash_v100  # noqa: E402,F401  (registers the ops)
 

@@ -1,6 +1,8 @@
 """The benchmark harness on CPU with the tiny and masks suites: JSON structure, tables, plot,
-masks and dropout. No timing checks."""
+masks and dropout. No timing checks, and nothing depends on the machine's speed or load: every
+suite runs with a fixed number of repetitions."""
 import argparse
+import copy
 import json
 import shutil
 import subprocess
@@ -11,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from torch_flash_v100.bench import report
+from torch_flash_v100.bench.harness import (UNSTABLE_SPREAD, make_attn_mask, padding_lengths,
+                                            reference_grads, run_suite, time_fn, unstable_reasons)
+from torch_flash_v100.bench.implementations import (IMPL_NAMES, Impl, Unsupported, make_impls,
+                                                    naive_attention)
+from torch_flash_v100.bench.suites import SUITES, Config, flops_fwd, get_suite
+from torch_flash_v100.reference import reference_attention
 
-from benchmarks import report  # noqa: E402
-from benchmarks.harness import (make_attn_mask, padding_lengths, reference_grads, run_suite,  # noqa: E402
-                                time_fn)
-from benchmarks.implementations import IMPL_NAMES, Impl, Unsupported, make_impls, naive_attention  # noqa: E402
-from benchmarks.suites import SUITES, Config, flops_fwd, get_suite  # noqa: E402
-from torch_flash_v100.reference import reference_attention  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 IMPL_FIELDS = {"fwd_ms", "bwd_ms", "fwdbwd_ms", "tflops_fwd", "tflops_bwd", "tflops_fwdbwd", "mem_mb",
                "mem_fwd_mb", "err_out", "err_dq", "err_dk", "err_dv", "fwd_ms_p20", "fwd_ms_p80", "timer"}
@@ -27,7 +29,7 @@ IMPL_FIELDS = {"fwd_ms", "bwd_ms", "fwdbwd_ms", "tflops_fwd", "tflops_bwd", "tfl
 
 @pytest.fixture(scope="module")
 def tiny_doc():
-    return run_suite(get_suite("tiny", "cpu"), "cpu", time_budget_s=None, progress=False, suite="tiny")
+    return run_suite(get_suite("tiny", "cpu"), "cpu", repetitions=3, progress=False, suite="tiny")
 
 
 def test_suites_match_the_issue():
@@ -80,6 +82,37 @@ def test_time_fn_structure():
     assert set(r) >= {"ms", "p20", "p80", "reps", "timer"} and r["reps"] >= 1
 
 
+def test_time_fn_fixed_repetitions():
+    calls = {"fn": 0, "setup": 0}
+
+    def fn():
+        calls["fn"] += 1
+
+    def setup():
+        calls["setup"] += 1
+
+    r = time_fn(fn, torch.device("cpu"), reps=7, setup=setup)
+    assert r["reps"] == 7 and r["timer"] == "perf_counter"
+    assert calls == {"fn": 8, "setup": 8}  # one warm-up, then exactly 7 timed
+    assert 0 <= r["p20"] <= r["ms"] <= r["p80"]
+    with pytest.raises(ValueError, match="exactly one"):
+        time_fn(fn, torch.device("cpu"), 0.01, reps=3)
+    with pytest.raises(ValueError, match="exactly one"):
+        time_fn(fn, torch.device("cpu"))
+
+
+def test_fixed_repetitions_measure_everything():
+    """The suites the tests run: every measurement runs its fixed count of repetitions."""
+    doc = run_suite(get_suite("tiny", "cpu"), "cpu", impl_names=["flashv100", "naive"],
+                    repetitions=2, progress=False)
+    assert doc["metadata"]["repetitions"] == 2 and doc["metadata"]["time_budget_s"] is None
+    for ent in doc["results"]:
+        for r in ent["impls"].values():
+            assert r["status"] == "ok" and r["fwd_reps"] == r["bwd_reps"] == r["fwdbwd_reps"] == 2
+    with pytest.raises(ValueError, match="not both"):
+        run_suite(get_suite("tiny", "cpu"), "cpu", repetitions=2, time_budget_s=1.0, progress=False)
+
+
 def test_json_structure(tiny_doc, tmp_path):
     path = report.write_json(tiny_doc, tmp_path / "r" / "tiny.json")
     doc = json.loads(path.read_text())
@@ -129,13 +162,81 @@ def test_plot_written(tiny_doc, tmp_path):
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _sweep_doc(tiny_doc, lengths):
+    """tiny_doc's first configuration repeated over ``lengths`` in one plot group."""
+    ent = tiny_doc["results"][0]
+    results = []
+    for n in lengths:
+        e = copy.deepcopy(ent)
+        e["config"].update(L=n, S=n, group="sweep")
+        e["key"] = f"{ent['key']} L={n}"
+        results.append(e)
+    return dict(tiny_doc, results=results)
+
+
+def test_small_groups_plot_times_as_bars_sweeps_plot_tflops(tiny_doc):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    assert {report.plot_kind([e]) for e in tiny_doc["results"]} == {"bars"}
+    fig = report.build_figure(tiny_doc)
+    assert all("ms" in ax.get_ylabel() for ax in fig.axes)
+    assert all(ax.patches for ax in fig.axes)  # bars drawn in every panel
+    plt.close(fig)
+    sweep = _sweep_doc(tiny_doc, [32, 64, 128])
+    assert report.plot_kind(sweep["results"]) == "lines"
+    assert report.plot_kind(_sweep_doc(tiny_doc, [32, 64])["results"]) == "bars"
+    fig = report.build_figure(sweep)
+    assert all(ax.get_ylabel() == "TFLOP/s" and ax.get_lines() for ax in fig.axes)
+    plt.close(fig)
+
+
+def test_unstable_reasons():
+    stable = {"fwd_ms": 1.0, "fwd_ms_p20": 0.9, "fwd_ms_p80": 1.2, "bwd_ms": 2.0, "bwd_ms_p20": 1.9,
+              "bwd_ms_p80": 2.1, "fwdbwd_ms": 3.0, "fwdbwd_ms_p20": 2.9, "fwdbwd_ms_p80": 3.1}
+    assert unstable_reasons(stable) == []
+    spread = dict(stable, bwd_ms_p80=2.1 * 1.9)
+    assert unstable_reasons(spread) == [f"bwd p20-p80 spread {2.1:.1f}x"]
+    inverted = dict(stable, fwdbwd_ms=0.5, fwdbwd_ms_p20=0.45, fwdbwd_ms_p80=0.55)
+    reasons = unstable_reasons(inverted)
+    assert len(reasons) == 2 and all("fwd+bwd" in r and "faster than" in r for r in reasons)
+    assert UNSTABLE_SPREAD == 2.0
+
+
+def test_unstable_rows_are_flagged(tiny_doc, tmp_path):
+    for ent in tiny_doc["results"]:  # every measurement says whether it is stable
+        assert all(isinstance(r["unstable"], list) for r in ent["impls"].values()
+                   if r["status"] == "ok")
+    doc = copy.deepcopy(tiny_doc)
+    for ent in doc["results"]:
+        for r in ent["impls"].values():
+            if r["status"] == "ok":
+                r["unstable"] = []
+    text = report.markdown(doc)
+    assert "[!] |" not in text and "#### Unstable measurements" not in text
+    ent = doc["results"][0]
+    naive = ent["impls"]["naive"]
+    naive.update(fwd_ms=1.0, fwd_ms_p20=0.9, fwd_ms_p80=2.7, bwd_ms=2.0, bwd_ms_p20=1.9,
+                 bwd_ms_p80=2.1, fwdbwd_ms=1.5, fwdbwd_ms_p20=1.4, fwdbwd_ms_p80=1.6)
+    naive["unstable"] = unstable_reasons(naive)
+    assert len(naive["unstable"]) == 2  # the fwd spread; fwd+bwd faster than bwd
+    text = report.markdown(doc)
+    assert f"| {ent['key']} | naive [!] |" in text  # detail table
+    assert f"{ent['speedup']['naive']['fwdbwd']:.2f}x [!]" in text  # summary: speedup over naive
+    assert "#### Unstable measurements [!]" in text
+    reasons = "fwd p20-p80 spread 3.0x; fwd+bwd (1.5 ms) faster than bwd alone"
+    assert f"- {ent['key']} / naive: {reasons}" in text
+    saved = json.loads(report.write_json(doc, tmp_path / "u.json").read_text())
+    assert saved["results"][0]["impls"]["naive"]["unstable"] == naive["unstable"]
+
+
 def test_failing_impl_is_recorded_and_run_continues():
     def boom(q, k, v, causal, attn_mask=None, dropout_p=0.0):
         raise RuntimeError("kaboom")
 
     impls = make_impls("cpu", ["flashv100", "naive"])
     impls.insert(1, Impl("broken", boom, "always fails"))
-    doc = run_suite(get_suite("tiny", "cpu"), "cpu", impls=impls, time_budget_s=None, progress=False)
+    doc = run_suite(get_suite("tiny", "cpu"), "cpu", impls=impls, repetitions=2, progress=False)
     for ent in doc["results"]:
         assert ent["impls"]["broken"]["status"] == "error"
         assert "kaboom" in ent["impls"]["broken"]["error"]
@@ -144,6 +245,7 @@ def test_failing_impl_is_recorded_and_run_continues():
 
 
 def test_exhausted_budget_skips_remaining():
+    # a zero budget is exhausted from the start, however fast the machine
     doc = run_suite(get_suite("tiny", "cpu"), "cpu", impl_names=["naive"], time_budget_s=0.0, progress=False)
     statuses = [e["impls"]["naive"]["status"] for e in doc["results"]]
     assert "skipped" in statuses
@@ -153,7 +255,8 @@ def test_script_runs(tmp_path):
     js, png = tmp_path / "t.json", tmp_path / "t.png"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--suite", "tiny",
                         "--device", "cpu", "--impls", "flashv100,naive", "--json", str(js), "--plot", str(png),
-                        "--no-progress"], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+                        "--no-progress", "--repetitions", "2"],
+                       capture_output=True, text=True, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "| config | impl |" in r.stdout
     doc = json.loads(js.read_text())
@@ -172,7 +275,7 @@ def test_e2e_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_gpt.py"), "--device", "cpu", "--modes", "eager",
                         "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
                         "--steps", "2", "--check-steps", "1", "--json", str(js)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(js.read_text())
     assert doc["runs"][0]["mode"] == "eager" and len(doc["runs"][0]["losses"]) == 2
@@ -192,8 +295,7 @@ VARIANTS = ["mask=padding", "dropout=0.1", "mask=padding dropout=0.1"]
 
 @pytest.fixture(scope="module")
 def masks_doc():
-    # a small budget that still measures everything (the first item alone pays ~1 s of profiler start-up)
-    return run_suite(get_suite("masks", "cpu"), "cpu", impl_names=MASK_IMPLS, time_budget_s=5.0,
+    return run_suite(get_suite("masks", "cpu"), "cpu", impl_names=MASK_IMPLS, repetitions=2,
                      progress=False, suite="masks")
 
 
@@ -255,7 +357,7 @@ def test_masks_suite_shapes():
 
 
 def test_cli_accepts_masks_suite():
-    from benchmarks.bench_attention import add_arguments
+    from torch_flash_v100.bench.cli import add_arguments
     from torch_flash_v100 import cli
 
     assert add_arguments(argparse.ArgumentParser()).parse_args(["--suite", "masks"]).suite == "masks"
@@ -325,7 +427,9 @@ def test_masks_suite_json_and_overhead_table(masks_doc, tmp_path):
     assert "#### Overhead of masks and dropout" in text
     assert "| shape | variant | impl | fwd | fwd+bwd | f+b vs flashv100 |" in text
     some = rows[0]
-    assert f"| {some['shape']} | {some['variant']} | {some['impl']} | {some['fwd']:.2f}x |" in text
+    flag = " [!]" if some["unstable"] else ""
+    assert (f"| {some['shape']} | {some['variant']} | {some['impl']} | {some['fwd']:.2f}x{flag} |"
+            in text)
     assert "flashv100, largest fwd+bwd overhead" in text
 
 
@@ -358,7 +462,7 @@ def test_impl_ignoring_the_mask_shows_in_errors():
     deaf = Impl("deaf", lambda q, k, v, causal, attn_mask=None, dropout_p=0.0: naive.fn(q, k, v, causal),
                 "naive without the mask")
     cfg = Config(2, 2, 2, 32, 32, 16, False, mask="padding")
-    doc = run_suite([cfg], "cpu", impls=[naive, deaf], time_budget_s=None, progress=False)
+    doc = run_suite([cfg], "cpu", impls=[naive, deaf], repetitions=2, progress=False)
     r = doc["results"][0]["impls"]
     assert r["naive"]["err_out"] < 1e-4 and r["deaf"]["err_out"] > 1e-2
 
@@ -369,7 +473,7 @@ def test_refused_mask_or_dropout_is_unsupported_not_a_crash():
     impls = make_impls("cpu", ["flashv100", "sdpa-flash"])
     plain = Config(2, 4, 2, 24, 40, 8, False)
     cfgs = [plain, replace(plain, mask="padding-additive", dropout=0.1), replace(plain, mask="padding-additive")]
-    doc = run_suite(cfgs, "cpu", impls=impls, time_budget_s=None, progress=False)
+    doc = run_suite(cfgs, "cpu", impls=impls, repetitions=2, progress=False)
     ok, refused, after = (e["impls"]["sdpa-flash"] for e in doc["results"])
     assert refused["status"] == "unsupported" and "dropout" in refused["reason"], refused
     assert "Triggered internally" not in refused["reason"]
@@ -382,7 +486,7 @@ def test_refused_mask_or_dropout_is_unsupported_not_a_crash():
 
 def test_commit_from_environment_wins_over_git(monkeypatch):
     """A copied tree names its commit with FLASHV100_COMMIT: stale git metadata must not win."""
-    from benchmarks.harness import collect_metadata
+    from torch_flash_v100.bench.harness import collect_metadata
     monkeypatch.setenv("FLASHV100_COMMIT", "0123456789abcdef")
     md = collect_metadata(torch.device("cpu"))
     assert md["git_commit"] == "0123456789abcdef" and md["git_dirty"] is None

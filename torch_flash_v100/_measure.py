@@ -33,15 +33,28 @@ def _triton_do_bench():
         return None
 
 
-def time_fn(fn: Callable[[], Any], device: torch.device, budget_s: float, *,
-            setup: Optional[Callable[[], None]] = None, estimate_ms: Optional[float] = None,
-            max_reps: int = 200, timer: str = "auto") -> Dict[str, Any]:
-    """Median / p20 / p80 milliseconds of ``fn`` with as many repetitions as fit ``budget_s``.
+def time_fn(fn: Callable[[], Any], device: torch.device, budget_s: Optional[float] = None, *,
+            reps: Optional[int] = None, setup: Optional[Callable[[], None]] = None,
+            estimate_ms: Optional[float] = None, max_reps: int = 200,
+            timer: str = "auto") -> Dict[str, Any]:
+    """Median / p20 / p80 milliseconds of ``fn``: exactly ``reps`` timed repetitions after one
+    warm-up call, or as many repetitions as fit ``budget_s`` (give one of the two).
 
     ``setup`` runs before every repetition outside the timed region. ``estimate_ms`` (the time of
-    one earlier call) lets slow functions skip the extra warm-up call.
+    one earlier call) lets slow functions skip the extra warm-up call under a budget.
+    ``triton.testing.do_bench`` measures for a time, not a count: only under a budget.
     """
+    if (budget_s is None) == (reps is None):
+        raise ValueError("time_fn: give exactly one of budget_s and reps")
     device = torch.device(device)
+    if reps is not None:
+        if reps < 1:
+            raise ValueError(f"time_fn: reps must be at least 1, got {reps}")
+        if setup:
+            setup()
+        fn()  # warm-up
+        synchronize(device)
+        return _timed_loop(fn, device, reps, setup)
     do_bench = _triton_do_bench() if (device.type == "cuda" and timer in ("auto", "do_bench")) else None
     if estimate_ms is None or estimate_ms < 50 or estimate_ms < 0.5 * budget_s * 1e3:
         # warm-up call, which also gives the estimate (skipped only for slow calls on a tight budget)
@@ -63,6 +76,11 @@ def time_fn(fn: Callable[[], Any], device: torch.device, budget_s: float, *,
             return {"ms": med, "p20": p20, "p80": p80, "reps": None, "timer": "triton.do_bench"}
         except Exception:
             pass  # API differences across Triton versions: fall back to the own loop
+    return _timed_loop(fn, device, reps, setup)
+
+
+def _timed_loop(fn: Callable[[], Any], device: torch.device, reps: int,
+                setup: Optional[Callable[[], None]]) -> Dict[str, Any]:
     times: List[float] = []
     if device.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]

@@ -31,7 +31,7 @@ examples:
   python -m torch_flash_v100                      # the demo (best device; CPU if no GPU)
   python -m torch_flash_v100 info                 # build, device and kernel-path information
   python -m torch_flash_v100 explain              # attention sites of demo models, fused or why not
-  python -m torch_flash_v100 bench --suite quick  # side-by-side benchmark (source checkout)
+  python -m torch_flash_v100 bench --suite quick  # side-by-side benchmark
   python -m torch_flash_v100 bench --suite seed --device cuda \\
       --json benchmarks/results/seed.json --plot benchmarks/results/seed.png
   python -m torch_flash_v100 e2e --steps 5        # small GPT: eager vs torch.compile vs the pass
@@ -101,21 +101,6 @@ def _load_compile():
     if not hasattr(mod, "backend"):
         return None, "torch_flash_v100.compile has no backend() (incomplete build?)"
     return mod, None
-
-
-def _load_benchmarks():
-    """The benchmark harness lives in the source tree (benchmarks/), not in the wheel."""
-    try:
-        return importlib.import_module("benchmarks.bench_attention")
-    except Exception:
-        pass
-    root = Path(__file__).resolve().parents[1]
-    if (root / "benchmarks" / "bench_attention.py").exists():
-        sys.path.insert(0, str(root))
-        sys.modules.pop("benchmarks", None)
-        return importlib.import_module("benchmarks.bench_attention")
-    raise SystemExit("error: the benchmark harness needs a source checkout of torch-flash-v100 "
-                     "(the benchmarks/ folder next to torch_flash_v100/); run from the repository root")
 
 
 def _time_ms(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.5,
@@ -349,15 +334,27 @@ def _opt_version(mod: str) -> str:
         return "not installed"
 
 
+def _compiled_archs(build: Dict[str, Any]) -> List[str]:
+    """The sm numbers ("70", "80", ...) this build has CUDA kernels for."""
+    return [a for a in str(build.get("cuda_archs") or "").replace(" ", ";").split(";") if a]
+
+
 def cmd_info(args) -> int:
     tfv = _load_package()
     _p(f"torch-flash-v100 {getattr(tfv, '__version__', '?')}  ({Path(tfv.__file__).parent})")
     _section("build")
-    try:
-        for k, v in tfv.build_info().items():
-            _p(f"  {k}: {v}")
-    except Exception as e:
-        _p(f"  build_info() failed: {type(e).__name__}: {e}")
+    build = tfv.build_info()
+    archs = _compiled_archs(build)
+    if archs:
+        _p(f"  CUDA kernels: built for {', '.join(f'sm_{a}' for a in archs)} "
+           f"(CUDA {build['cuda_version']})")
+    else:
+        _p("  CUDA kernels: not built (CPU kernels only; `pip install -v` shows CMake's reason)")
+    note = tfv._cuda_kernels_missing_note(build)
+    if note:
+        _p(f"  WARNING: {note}")
+    for k, v in build.items():
+        _p(f"  {k}: {v}")
     _section("runtime")
     _p(f"  python {platform.python_version()} on {platform.platform()}")
     _p(f"  torch {torch.__version__} (CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()})")
@@ -380,6 +377,12 @@ def cmd_info(args) -> int:
         except Exception as e:
             kp = f"error: {e}"
         line = f"  {d}: {name}\n      kernel path: {kp}"
+        if d.type == "cuda" and archs:
+            sm = "%d%d" % torch.cuda.get_device_capability(d)
+            if sm not in archs:
+                line += (f"\n      note: sm_{sm} is not among the compiled archs (only a +PTX "
+                         f"arch below it can run here); rebuild with "
+                         f"TORCH_CUDA_ARCH_LIST={sm[:-1]}.{sm[-1]}")
         if d.type == "cuda":
             try:
                 with tfv.volta_atom(True):
@@ -394,11 +397,6 @@ def cmd_info(args) -> int:
     _p(f"  torch.compile pass: {status}")
     for m in ("matplotlib", "tqdm", "triton"):
         _p(f"  {m}: {_opt_version(m)}")
-    try:
-        _load_benchmarks()
-        _p("  benchmarks harness: available (source checkout)")
-    except SystemExit:
-        _p("  benchmarks harness: not found (needs a source checkout)")
     return 0
 
 
@@ -726,14 +724,15 @@ def cmd_demo(args) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def cmd_bench(args) -> int:
-    mod = _load_benchmarks()
-    return mod.run(args)
+    from .bench import cli as bench_cli
+
+    return bench_cli.run(args)
 
 
 def cmd_e2e(args) -> int:
-    _load_benchmarks()
-    mod = importlib.import_module("benchmarks.e2e_gpt")
-    return mod.main(args.rest, prog="python -m torch_flash_v100 e2e")
+    from .bench import e2e_gpt
+
+    return e2e_gpt.main(args.rest, prog="python -m torch_flash_v100 e2e")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -752,14 +751,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "GPT compiled with the flashv100 pass (fused sites); a speed/memory table.")
     _demo_args(d)
 
-    b = sub.add_parser("bench", help="side-by-side benchmark suites (needs a source checkout)",
+    b = sub.add_parser("bench", help="side-by-side benchmark suites",
                        description="flashv100 vs SDPA backends vs naive attention: time, TFLOP/s, memory, "
                                    "errors vs fp64; Markdown to stdout, optional JSON and PNG.")
-    try:
-        _load_benchmarks().add_arguments(b)
-        b.set_defaults(func=cmd_bench)
-    except SystemExit as e:
-        b.set_defaults(func=lambda a, msg=str(e): (_p(msg), 2)[1])
+    from .bench.cli import add_arguments as add_bench_arguments
+
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("info", help="build, device, kernel-path and dependency information")
     i.set_defaults(func=cmd_info)
@@ -779,7 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_explain)
 
     e = sub.add_parser("e2e", help="end-to-end small GPT: eager vs torch.compile vs torch.compile + pass",
-                       description="Runs benchmarks/e2e_gpt.py (source checkout); arguments are passed on "
+                       description="Runs torch_flash_v100.bench.e2e_gpt; arguments are passed on "
                                    "(try: e2e --help).", add_help=False)
     e.add_argument("rest", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_e2e)
@@ -799,7 +797,7 @@ def _demo_args(d: argparse.ArgumentParser):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "e2e":  # everything after `e2e` belongs to benchmarks/e2e_gpt.py
+    if argv and argv[0] == "e2e":  # everything after `e2e` belongs to bench.e2e_gpt
         return int(cmd_e2e(argparse.Namespace(rest=argv[1:])) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)

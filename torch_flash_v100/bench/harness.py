@@ -4,7 +4,8 @@ Method (also written into every JSON under metadata.method):
   * time: CUDA events around each repetition (or ``triton.testing.do_bench`` when Triton is
     installed and one call is short enough for its fixed estimate runs), after a warm-up; on CPU
     ``time.perf_counter``. Reported: median, 20th and 80th percentile, number of repetitions.
-    Repetitions are chosen adaptively from a time budget for the whole suite.
+    Repetitions are a fixed count per measurement (``repetitions``: every measurement runs, on
+    any machine under any load), or chosen adaptively from a time budget for the whole suite.
   * forward is timed with inputs that require grad (a training forward); backward is
     ``out.backward(dout, retain_graph=True)`` on one retained graph; fwd+bwd is both per call.
     Gradients are reset to None between repetitions (outside the timed region).
@@ -22,6 +23,8 @@ Method (also written into every JSON under metadata.method):
     not change the count (a padding mask does not reduce it).
   * overhead (suites with mask/dropout variants): time(variant) / time(same shape, plain), per
     implementation.
+  * unstable: a measurement whose p80 / p20 exceeds UNSTABLE_SPREAD in a phase, or whose fwd+bwd
+    is faster than its fwd or bwd alone, lists why under ``unstable`` (empty when neither).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ from .implementations import FLASH, Impl, Unsupported, load_flashv100, make_impl
 from .suites import BWD_FLOP_RATIO, Config, flops_fwd
 
 __all__ = ["run_suite", "collect_metadata", "time_fn", "peak_memory_mb", "reference_grads",
-           "default_dtype", "DTYPES", "make_attn_mask", "padding_lengths", "overheads"]
+           "default_dtype", "DTYPES", "make_attn_mask", "padding_lengths", "overheads",
+           "unstable_reasons", "UNSTABLE_SPREAD"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -113,8 +117,18 @@ def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 # metadata
 # ---------------------------------------------------------------------------------------------
 
+def source_checkout() -> Optional[Path]:
+    """The repository root when this package runs from a source checkout (an editable install),
+    None for an installed wheel: a wheel's metadata must not name the commit of whatever git
+    repository happens to contain site-packages."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "csrc").is_dir() else None
+
+
 def _git(*args) -> Optional[str]:
-    root = Path(__file__).resolve().parents[1]
+    root = source_checkout()
+    if root is None:
+        return None
     try:
         r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
         return r.stdout.strip() if r.returncode == 0 else None
@@ -263,11 +277,13 @@ def accuracy_not_applicable(cfg: Config) -> Optional[str]:
     return None
 
 
-def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device, budget_s: float,
-            timer: str = "auto") -> Dict[str, Any]:
+def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
+            budget_s: Optional[float] = None, timer: str = "auto", *,
+            reps: Optional[int] = None) -> Dict[str, Any]:
     """All numbers for one implementation on one configuration (raises on failure).
     ``inputs`` = (q, k, v, dout, attn_mask); ``ref`` = fp64 (out, dq, dk, dv), or None where
-    accuracy_not_applicable(cfg)."""
+    accuracy_not_applicable(cfg). Each of fwd, bwd and fwd+bwd is timed over ``reps``
+    repetitions, or over what fits a third of ``budget_s``."""
     q, k, v, dout, mask = inputs
     flops = flops_fwd(cfg)
     res: Dict[str, Any] = {"status": "ok"}
@@ -311,19 +327,19 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device, budget_s
         res["mem_fwd_mb"] = peak_memory_mb(fwd_nograd, device)
 
         # 2. timings
-        b = budget_s / 3.0
+        b = None if reps is not None else budget_s / 3.0
         est = first_ms / 3.5
-        tf = time_fn(call, device, b, estimate_ms=est, timer=timer)
+        tf = time_fn(call, device, b, reps=reps, estimate_ms=est, timer=timer)
         graph = {"out": call()}  # one forward, its graph retained
-        tb = time_fn(lambda: graph["out"].backward(dout, retain_graph=True), device, b, setup=zero,
-                     estimate_ms=est * BWD_FLOP_RATIO, timer=timer)
+        tb = time_fn(lambda: graph["out"].backward(dout, retain_graph=True), device, b, reps=reps,
+                     setup=zero, estimate_ms=est * BWD_FLOP_RATIO, timer=timer)
         graph.clear()
         zero()
 
         def fb():
             call().backward(dout)
 
-        tfb = time_fn(fb, device, b, setup=zero, estimate_ms=first_ms, timer=timer)
+        tfb = time_fn(fb, device, b, reps=reps, setup=zero, estimate_ms=first_ms, timer=timer)
         zero()
     for name, t, fl in (("fwd", tf, flops), ("bwd", tb, flops * BWD_FLOP_RATIO),
                         ("fwdbwd", tfb, flops * (1 + BWD_FLOP_RATIO))):
@@ -333,7 +349,28 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device, budget_s
         res[f"{name}_reps"] = t["reps"]
         res[f"tflops_{name}"] = fl / (t["ms"] * 1e-3) / 1e12 if t["ms"] > 0 else None
         res["timer"] = t["timer"]
+    res["unstable"] = unstable_reasons(res)
     return res
+
+
+# p80 / p20 of one phase above this: the median is no reliable time (a busy machine, clock changes)
+UNSTABLE_SPREAD = 2.0
+_PHASE_LABELS = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
+
+
+def unstable_reasons(res: Dict[str, Any]) -> List[str]:
+    """Why the times of one measurement are not to be trusted; empty when nothing says so."""
+    reasons = []
+    for ph, label in _PHASE_LABELS.items():
+        p20, p80 = res.get(f"{ph}_ms_p20"), res.get(f"{ph}_ms_p80")
+        if p20 and p80 and p80 / p20 > UNSTABLE_SPREAD:
+            reasons.append(f"{label} p20-p80 spread {p80 / p20:.1f}x")
+    both = res.get("fwdbwd_ms")
+    for ph in ("fwd", "bwd"):
+        alone = res.get(f"{ph}_ms")
+        if both and alone and both < alone:
+            reasons.append(f"fwd+bwd ({both:.3g} ms) faster than {ph} alone ({alone:.3g} ms)")
+    return reasons
 
 
 def _warm_device(device: torch.device, dtypes: Sequence[str]):
@@ -406,15 +443,21 @@ def _make_inputs(cfg: Config, device: torch.device, seed: int = 0):
 
 def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[List[str]] = None,
               impls: Optional[List[Impl]] = None, time_budget_s: Optional[float] = None,
-              progress: bool = True, timer: str = "auto", suite: str = "custom",
+              repetitions: Optional[int] = None, progress: bool = True, timer: str = "auto",
+              suite: str = "custom",
               on_config_done: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run every implementation on every configuration; returns the JSON-able result document.
 
     A failing implementation for one configuration is recorded with its error and the run goes
-    on. ``time_budget_s`` bounds the whole run: repetitions are spread over what is left, and past
-    1.1x the budget the remaining measurements are skipped (recorded as such).
-    ``on_config_done`` gets the partial document after every configuration (for incremental saves).
+    on. ``repetitions`` times every measurement over that many repetitions: what is measured
+    and reported does not depend on the machine's speed or load. Otherwise ``time_budget_s``
+    bounds the whole run: repetitions are spread over what is left, and past 1.1x the budget the
+    remaining measurements are skipped (recorded as such); with neither, each measurement
+    takes about 0.3 s. ``on_config_done`` gets the partial document after every configuration
+    (for incremental saves).
     """
+    if repetitions is not None and time_budget_s is not None:
+        raise ValueError("run_suite: give repetitions or time_budget_s, not both")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -433,6 +476,7 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
         "results": [],
     }
     doc["metadata"]["time_budget_s"] = time_budget_s
+    doc["metadata"]["repetitions"] = repetitions
     doc["metadata"]["timer"] = timer
     runnable = [im for im in impls if im.available]
     # "overhead" (variant vs plain times) only in documents of suites with mask/dropout variants
@@ -488,11 +532,13 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
                 left = n_items - done
                 if sticky:
                     r = {"status": "error", "error": sticky}
-                elif time_budget_s is not None and elapsed > 1.1 * time_budget_s:
+                elif time_budget_s is not None and elapsed >= 1.1 * time_budget_s:
                     r = {"status": "skipped",
                          "reason": f"suite time budget of {time_budget_s:.0f}s exhausted"}
                 else:
-                    if time_budget_s is None:
+                    if repetitions is not None:
+                        budget = None
+                    elif time_budget_s is None:
                         budget = 0.3
                     else:
                         # ~half of an item's share goes to the timed repetitions; the rest is the
@@ -500,7 +546,8 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
                         budget = max(0.03, min(3.0, 0.5 * (time_budget_s - elapsed) / max(1, left)))
                     failed = False
                     try:
-                        r = measure(im, cfg, inputs, ref, device, budget, timer=timer)
+                        r = measure(im, cfg, inputs, ref, device, budget, timer=timer,
+                                    reps=repetitions)
                     except Unsupported as e:
                         failed = True
                         r = {"status": "unsupported", "reason": _one_line(e)}
@@ -563,6 +610,7 @@ def overheads(configs: Sequence[Config], results: Sequence[Dict[str, Any]],
             row: Dict[str, Any] = {"shape": plain["key"], "variant": cfg.variant(), "impl": name}
             if r.get("status") == "ok" and p.get("status") == "ok":
                 row.update(_time_ratios(r, p))
+                row["unstable"] = bool(r.get("unstable") or p.get("unstable"))
                 if name in ent.get("speedup", {}):
                     row["speedup"] = ent["speedup"][name]
             else:

@@ -9,8 +9,16 @@ from typing import Any, Dict, List, Optional
 
 from .implementations import FLASH
 
-__all__ = ["markdown", "summary_markdown", "detail_markdown", "overhead_markdown", "write_json", "write_plot",
-           "header_markdown"]
+__all__ = ["markdown", "summary_markdown", "detail_markdown", "overhead_markdown",
+           "unstable_markdown", "write_json", "write_plot", "build_figure", "header_markdown",
+           "UNSTABLE_FLAG"]
+
+# Marks cells from an unstable measurement (harness.unstable_reasons); listed below the tables
+UNSTABLE_FLAG = "[!]"
+
+
+def _flag(r: Dict[str, Any]) -> str:
+    return f" {UNSTABLE_FLAG}" if r.get("unstable") else ""
 
 
 def _f(x, nd=2) -> str:
@@ -53,7 +61,13 @@ def header_markdown(doc: Dict[str, Any]) -> str:
         lines.append(f"- kernel paths: {'; '.join(paths)}")
     lines.append("- times in ms (median); TF/s with causal counted as half; mem = peak extra MB of one "
                  "fwd+bwd; speedup = time(impl) / time(flashv100), > 1 means flashv100 is faster; "
-                 "errors = max abs vs fp64 reference (n/a with dropout: random outputs)")
+                 "errors = max abs vs fp64 reference (n/a with dropout: random outputs); "
+                 f"{UNSTABLE_FLAG} = an unstable measurement (see the list below the tables)")
+    reps = md.get("repetitions")
+    budget = md.get("time_budget_s")
+    lines.append(f"- timing: {reps} repetitions per measurement" if reps else
+                 f"- timing: time budget {budget:g} s for the suite" if budget is not None else
+                 "- timing: about 0.3 s per measurement")
     return "\n".join(lines)
 
 
@@ -65,14 +79,15 @@ def summary_markdown(doc: Dict[str, Any]) -> str:
     for ent in doc.get("results", []):
         fl = ent["impls"].get(FLASH, {})
         if fl.get("status") == "ok":
-            cells = [_f(fl.get("fwd_ms"), 3), _f(fl.get("fwdbwd_ms"), 3), _f(fl.get("tflops_fwdbwd")),
-                     _f(fl.get("mem_mb"), 1)]
+            cells = [_f(fl.get("fwd_ms"), 3) + _flag(fl), _f(fl.get("fwdbwd_ms"), 3),
+                     _f(fl.get("tflops_fwdbwd")), _f(fl.get("mem_mb"), 1)]
         else:
             cells = [fl.get("status", "-"), "-", "-", "-"]
         for n in impls:
             sp = ent.get("speedup", {}).get(n, {}).get("fwdbwd")
             if sp is not None:
-                cells.append(f"{sp:.2f}x")
+                either = fl.get("unstable") or ent["impls"].get(n, {}).get("unstable")
+                cells.append(f"{sp:.2f}x" + _flag({"unstable": either}))
             else:
                 cells.append(ent["impls"].get(n, {}).get("status", "-"))
         rows.append("| " + " | ".join([ent["key"]] + cells) + " |")
@@ -101,7 +116,7 @@ def detail_markdown(doc: Dict[str, Any]) -> str:
                 msg = r.get("error") or r.get("reason") or ""
                 notes.append(f"- {ent['key']} / {name}: {r.get('status')}: {msg}")
                 cells = [r.get("status", "?")] + ["-"] * (len(head) - 3)
-            rows.append("| " + " | ".join([ent["key"], name] + cells) + " |")
+            rows.append("| " + " | ".join([ent["key"], name + _flag(r)] + cells) + " |")
     out = "\n".join(rows)
     unavailable = [f"- {i['name']}: skipped: {i.get('skip_reason')}" for i in doc.get("implementations", [])
                    if not i.get("available")]
@@ -131,7 +146,7 @@ def overhead_markdown(doc: Dict[str, Any]) -> str:
             cells = [r["status"]] * 2 + ["-"]
         else:
             vs = "ref" if r["impl"] == FLASH else _x((r.get("speedup") or {}).get("fwdbwd"))
-            cells = [_x(r.get("fwd")), _x(r.get("fwdbwd")), vs]
+            cells = [_x(r.get("fwd")) + _flag(r), _x(r.get("fwdbwd")), vs]
             if r["impl"] == FLASH and r.get("fwdbwd") is not None:
                 worst[r["variant"]] = max(worst.get(r["variant"], 0.0), r["fwdbwd"])
         rows.append("| " + " | ".join([r["shape"], r["variant"], r["impl"]] + cells) + " |")
@@ -142,6 +157,17 @@ def overhead_markdown(doc: Dict[str, Any]) -> str:
     return out
 
 
+def unstable_markdown(doc: Dict[str, Any]) -> str:
+    """One line per unstable measurement and why; empty when there is none."""
+    lines = [f"- {ent['key']} / {name}: {'; '.join(r['unstable'])}"
+             for ent in doc.get("results", []) for name, r in ent["impls"].items()
+             if r.get("unstable")]
+    if not lines:
+        return ""
+    return (f"{len(lines)} measurement(s) marked {UNSTABLE_FLAG}: their times are not reliable "
+            "(rerun them on an idle machine, or with more repetitions):\n" + "\n".join(lines))
+
+
 def markdown(doc: Dict[str, Any]) -> str:
     parts = [header_markdown(doc), "#### Summary (fwd+bwd speedup of flashv100)", summary_markdown(doc)]
     overhead = overhead_markdown(doc)
@@ -149,6 +175,9 @@ def markdown(doc: Dict[str, Any]) -> str:
         parts += ["#### Overhead of masks and dropout (time(variant) / time(plain), same implementation; "
                   "f+b vs flashv100 = time(impl) / time(flashv100) in the same variant)", overhead]
     parts += ["#### All implementations", detail_markdown(doc)]
+    unstable = unstable_markdown(doc)
+    if unstable:
+        parts += [f"#### Unstable measurements {UNSTABLE_FLAG}", unstable]
     return "\n\n".join(parts) + "\n"
 
 
@@ -174,10 +203,20 @@ def write_json(doc: Dict[str, Any], path) -> Path:
     return path
 
 
+# Groups with fewer distinct x values than this are bar charts of times: a line plot of one or two
+# points per implementation shows dots, and TFLOP/s of tiny shapes all sit near 0.
+MIN_LINE_POINTS = 3
+
+
+def plot_kind(ents: List[Dict[str, Any]]) -> str:
+    """"lines" (TFLOP/s against the group's x field) or "bars" (median ms per configuration)."""
+    xname = ents[0]["config"].get("x", "L") if ents else "L"
+    return "lines" if len({e["config"][xname] for e in ents}) >= MIN_LINE_POINTS else "bars"
+
+
 def write_plot(doc: Dict[str, Any], path) -> Optional[Path]:
-    """TFLOP/s vs the group's x field (sequence length for most suites) per implementation;
-    one row of panels per configuration group, columns forward and forward+backward; causal dashed.
-    Returns None (and says why on stderr) when matplotlib is missing."""
+    """The figure of :func:`build_figure` as a PNG. Returns None (and says why on stderr) when
+    matplotlib is missing."""
     import sys
 
     try:
@@ -188,6 +227,25 @@ def write_plot(doc: Dict[str, Any], path) -> Optional[Path]:
         print(f"plot skipped: matplotlib unavailable ({e}); pip install 'torch-flash-v100[bench]'",
               file=sys.stderr)
         return None
+    fig = build_figure(doc)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def build_figure(doc: Dict[str, Any]):
+    """One row of panels per configuration group, columns forward and forward+backward. Groups
+    with a sweep (see plot_kind) plot TFLOP/s against its x field per implementation, causal
+    dashed; small groups are bar charts of the median time with p20-p80 whiskers per
+    configuration, unstable measurements hatched."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     groups: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
     for ent in doc.get("results", []):
         groups.setdefault(ent["config"].get("group") or "all", []).append(ent)
@@ -198,31 +256,28 @@ def write_plot(doc: Dict[str, Any], path) -> Optional[Path]:
     colors = {n: cmap(i % 10) for i, n in enumerate(names)}
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.6 * len(groups)), squeeze=False)
     md = doc.get("metadata", {})
+    shown: set = set()
+    kinds = set()
     for row, (g, ents) in enumerate(groups.items()):
-        xname = ents[0]["config"].get("x", "L") if ents else "L"
+        kind = plot_kind(ents)
+        kinds.add(kind)
         for col, (ph, title) in enumerate((("fwd", "forward"), ("fwdbwd", "forward + backward"))):
             ax = axes[row][col]
-            for n in names:
-                for causal, ls in ((False, "-"), (True, "--")):
-                    pts = sorted((e["config"][xname], e["impls"][n][f"tflops_{ph}"]) for e in ents
-                                 if e["config"]["causal"] == causal and e["impls"].get(n, {}).get("status") == "ok"
-                                 and e["impls"][n].get(f"tflops_{ph}") is not None)
-                    if pts:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker="o", ms=3,
-                                color=colors[n], label=f"{n}{' causal' if causal else ''}")
+            draw = _plot_lines if kind == "lines" else _plot_bars
+            shown |= draw(ax, ents, names, colors, ph)
             ax.set_title(f"{g}: {title}", fontsize=9)
-            ax.set_xlabel({"L": "sequence length L", "E": "head dim E"}.get(xname, xname))
-            ax.set_ylabel("TFLOP/s")
-            ax.set_xscale("log", base=2)
-            ax.grid(True, alpha=0.3)
+            ax.grid(True, alpha=0.3, axis="y" if kind == "bars" else "both")
 
-    from matplotlib.lines import Line2D
-
-    shown = [n for n in names if any(ln.get_color() == colors[n] for ax in axes.flat for ln in ax.get_lines())]
-    handles = [Line2D([], [], color=colors[n], marker="o", ms=3) for n in shown]
-    labels = list(shown)
-    handles += [Line2D([], [], color="gray", ls="-"), Line2D([], [], color="gray", ls="--")]
-    labels += ["non-causal", "causal"]
+    shown_names = [n for n in names if n in shown]
+    handles = [Line2D([], [], color=colors[n], marker="o", ms=3) if "bars" not in kinds
+               else Patch(color=colors[n]) for n in shown_names]
+    labels = list(shown_names)
+    if "lines" in kinds:
+        handles += [Line2D([], [], color="gray", ls="-"), Line2D([], [], color="gray", ls="--")]
+        labels += ["non-causal", "causal"]
+    if "bars" in kinds:
+        handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//"))
+        labels.append(f"unstable {UNSTABLE_FLAG}")
     H = fig.get_figheight()
     ncol = 5
     legend_rows = (len(labels) + ncol - 1) // ncol
@@ -232,8 +287,49 @@ def write_plot(doc: Dict[str, Any], path) -> Optional[Path]:
     fig.legend(handles, labels, loc="upper center", ncol=ncol, fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 1 - 0.35 / H))
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.45 + 0.2 * legend_rows) / H))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _ok(ent: Dict[str, Any], name: str, field: str) -> bool:
+    r = ent["impls"].get(name, {})
+    return r.get("status") == "ok" and r.get(field) is not None
+
+
+def _plot_lines(ax, ents, names, colors, ph) -> set:
+    xname = ents[0]["config"].get("x", "L")
+    shown = set()
+    for n in names:
+        for causal, ls in ((False, "-"), (True, "--")):
+            pts = sorted((e["config"][xname], e["impls"][n][f"tflops_{ph}"]) for e in ents
+                         if e["config"]["causal"] == causal and _ok(e, n, f"tflops_{ph}"))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker="o", ms=3,
+                        color=colors[n], label=f"{n}{' causal' if causal else ''}")
+                shown.add(n)
+    ax.set_xlabel({"L": "sequence length L", "E": "head dim E"}.get(xname, xname))
+    ax.set_ylabel("TFLOP/s")
+    ax.set_xscale("log", base=2)
+    return shown
+
+
+def _plot_bars(ax, ents, names, colors, ph) -> set:
+    drawn = [n for n in names if any(_ok(e, n, f"{ph}_ms") for e in ents)]
+    width = min(0.25, 0.8 / max(1, len(drawn)))
+    times = []
+    for j, n in enumerate(drawn):
+        for i, e in enumerate(ents):
+            if not _ok(e, n, f"{ph}_ms"):
+                continue
+            r = e["impls"][n]
+            ms = r[f"{ph}_ms"]
+            lo, hi = r.get(f"{ph}_ms_p20", ms), r.get(f"{ph}_ms_p80", ms)
+            ax.bar(i + (j - (len(drawn) - 1) / 2) * width, ms, width, color=colors[n],
+                   yerr=[[max(0.0, ms - lo)], [max(0.0, hi - ms)]], capsize=2,
+                   hatch="//" if r.get("unstable") else None, edgecolor="white")
+            times.append(ms)
+    ax.set_xticks(range(len(ents)))
+    ax.set_xticklabels([e["key"] for e in ents], fontsize=7)
+    ax.set_ylabel("time ms (median, p20-p80)")
+    if times and min(times) > 0 and max(times) / min(times) > 30:
+        ax.set_yscale("log")
+    return set(drawn)
