@@ -49,4 +49,33 @@ BackwardParams make_backward_params(const at::Tensor& grad_out, const at::Tensor
 // Reduces the full [B, Hq, L, S] mask gradient to the mask's (broadcast) shape and dtype.
 at::Tensor reduce_mask_grad(const at::Tensor& grad_mask_full, const at::Tensor& attn_mask);
 
+// The FlashAttention-2 ops' arguments (flashv100::_flash_forward/_flash_backward), checked and
+// turned into kernel parameters in one place for every device.
+struct FlashArgs {
+  const at::Tensor& query;  // [B, Sq, Hq, D], or [total_q, Hq, D] with cu_seqlens
+  const at::Tensor& key;    // [B, Sk, Hkv, D], or [total_k, Hkv, D]
+  const at::Tensor& value;
+  const std::optional<at::Tensor>& cu_seqlens_q;
+  const std::optional<at::Tensor>& cu_seqlens_k;
+  int64_t max_seqlen_q;
+  int64_t max_seqlen_k;
+  double dropout_p;
+  double softmax_scale;
+  bool causal;
+  int64_t window_left;
+  int64_t window_right;
+  double softcap;
+  const std::optional<at::Tensor>& alibi_slopes;
+  bool varlen() const { return cu_seqlens_q.has_value(); }
+};
+void check_flash_inputs(const char* op, const FlashArgs& args);
+// fp32 softmax_lse: [B, Hq, Sq], or [Hq, total_q] for varlen.
+at::Tensor allocate_flash_lse(const FlashArgs& args);
+ForwardParams make_flash_forward_params(const FlashArgs& args, const at::Tensor& out,
+                                        const at::Tensor& softmax_lse);
+BackwardParams make_flash_backward_params(const FlashArgs& args, const at::Tensor& grad_out,
+                                          const at::Tensor& out, const at::Tensor& softmax_lse,
+                                          const at::Tensor& grad_query, const at::Tensor& grad_key,
+                                          const at::Tensor& grad_value, bool deterministic);
+
 }  // namespace flashv100
