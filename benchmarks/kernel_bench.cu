@@ -107,6 +107,7 @@ void run(int batch, int heads, int len) {
   p.v = v;
   p.out = buf.alloc<__half>(elems);
   p.lse = buf.alloc<float>(rows);
+  p.lse_layout = LseLayout{static_cast<int64_t>(heads) * len, len};
   const TensorStrides strides{static_cast<int64_t>(heads) * len * E,
                               static_cast<int64_t>(len) * E, E};
   p.q_strides = p.k_strides = p.v_strides = p.out_strides = strides;

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """A few odd shapes through the fused forward and backward on both atoms, in each kernel variant
-(plain, dropout alone, a broadcast additive mask plus dropout, a prefix padding mask): the
-workload that scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck). Exits
-non-zero on a non-finite result; the sanitizer reports memory errors and shared-memory races
-itself."""
+(plain, dropout alone, a broadcast additive mask plus dropout, a prefix padding mask), and the
+FlashAttention-2 ops on packed batches with empty sequences, windows, softcap, ALiBi, dropout and
+GQA: the workload that scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck).
+Exits non-zero on a non-finite result; the sanitizer reports memory errors and shared-memory
+races itself."""
 import argparse
 import math
 import sys
@@ -18,6 +19,42 @@ SHAPES = [  # (B, Hq, Hkv, L, S, E, causal_mode)
     (2, 2, 1, 17, 70, 136, 2),
     (1, 1, 1, 65, 33, 256, 1),
 ]
+
+
+FLASH_CASES = [  # (lengths_q, lengths_k, Hq, Hkv, E, causal, window, softcap, ALiBi, dropout)
+    ([0, 9, 1, 70], [5, 0, 1, 33], 2, 1, 40, False, (16, 3), 2.0, True, 0.1),
+    ([65, 0, 17], [17, 3, 130], 2, 2, 136, True, (-1, -1), 0.0, True, 0.0),
+    ([33, 200], [200, 33], 2, 1, 256, False, (7, -1), 5.0, False, 0.2),
+]
+
+
+def flash_cases() -> int:
+    """The FlashAttention-2 ops on packed batches, both atoms, both dQ paths."""
+    ops = torch.ops.flashv100
+    bad = 0
+    for force_volta in (True, False):
+        with tfv.volta_atom(force_volta):
+            for lq, lk, hq, hkv, d, causal, (left, right), softcap, alibi, p in FLASH_CASES:
+                g = torch.Generator(device="cuda").manual_seed(0)
+                cu_q = torch.tensor([0] + lq, device="cuda").cumsum(0).int()
+                cu_k = torch.tensor([0] + lk, device="cuda").cumsum(0).int()
+                q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.float16, generator=g)
+                k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.float16, generator=g)
+                v = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.float16, generator=g)
+                slopes = torch.rand(len(lq), hq, device="cuda", generator=g) if alibi else None
+                scale = 1.0 / math.sqrt(d)
+                args = (cu_q, cu_k, max(lq), max(lk), p, scale, causal, left, right, softcap,
+                        slopes)
+                out, lse, rng = ops._flash_forward(q, k, v, *args)
+                dout = torch.randn_like(out)
+                for deterministic in (False, True):
+                    grads = ops._flash_backward(dout, q, k, v, out, lse, rng, *args,
+                                                deterministic)
+                    torch.cuda.synchronize()
+                    if not all(torch.isfinite(t).all() for t in (out, *grads)):
+                        print("non-finite result (flash)", force_volta, (lq, lk, hq, hkv, d))
+                        bad += 1
+    return bad
 
 
 def main() -> int:
@@ -52,6 +89,7 @@ def main() -> int:
                         if not all(torch.isfinite(t).all() for t in (out, *grads)):
                             print("non-finite result", force_volta, (b, hq, hkv, lq, lk, d, causal))
                             bad += 1
+    bad += flash_cases()
     print("sanitize workload done,", bad, "bad results")
     return 1 if bad else 0
 

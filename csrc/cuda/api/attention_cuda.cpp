@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <tuple>
 
 #include "cuda/api/launch.h"
@@ -49,6 +51,54 @@ MmaAtom atom_of(const at::Tensor& t) {
   return mma_atom_for(major, minor);
 }
 
+// The internal attention ops' [B, H, L, E] problem.
+FusedProblem attention_problem(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value) {
+  return FusedProblem{query.scalar_type(),
+                      query.size(3),
+                      value.size(3),
+                      query.size(2),
+                      key.size(2),
+                      query.size(0) * query.size(1),
+                      key.size(0) * key.size(1),
+                      query.numel() == 0 || key.numel() == 0};
+}
+
+// The FlashAttention-2 ops' problem: [B, S, H, D] or packed [total, H, D]; sequences at most
+// max_seqlen_q/k long. Empty problems never reach the kernels (flash_forward_cuda).
+FusedProblem flash_problem(const FlashArgs& args) {
+  const int64_t batch = args.varlen() ? args.cu_seqlens_q->size(0) - 1 : args.query.size(0);
+  return FusedProblem{args.query.scalar_type(),
+                      args.query.size(-1),
+                      args.value.size(-1),
+                      args.max_seqlen_q,
+                      args.max_seqlen_k,
+                      batch * args.query.size(-2),
+                      batch * args.key.size(-2),
+                      false};
+}
+
+// No query row (nothing to compute) or no key (every row sees nothing: out 0, lse -inf).
+bool flash_has_no_query(const FlashArgs& args) { return args.query.numel() == 0; }
+bool flash_has_no_key(const FlashArgs& args) { return args.key.numel() == 0; }
+
+// The fused kernels are the only CUDA path of the FlashAttention-2 ops (as in flash_attn, whose
+// kernels take fp16/bf16 and head dims that are multiples of 8 up to 256).
+void check_flash_fused(const char* op, MmaAtom atom, const FlashArgs& args,
+                       std::initializer_list<const at::Tensor*> tensors) {
+  const char* reason = fused_unsupported_reason(atom, flash_problem(args), tensors);
+  TORCH_CHECK(reason == nullptr, op, ": the CUDA kernels (", mma_atom_name(atom),
+              ") cannot run this problem: ", reason, " (query ", args.query.scalar_type(), " ",
+              args.query.sizes(), ", value ", args.value.sizes(),
+              "); fp16 (and bf16 on sm_80+) with head dims that are multiples of 8 up to 256 and "
+              "16-byte aligned rows are supported");
+}
+
+// Contiguous copies of the small index/slope tensors the kernels address with unit strides.
+std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t causal_mode,
@@ -63,8 +113,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query, params.dropout)
                                          : at::zeros({2}, query.options().dtype(at::kLong));
   const MmaAtom atom = atom_of(query);
-  const char* reason =
-      fused_unsupported_reason(atom, query, key, value, {&query, &key, &value, &out});
+  const char* reason = fused_unsupported_reason(atom, attention_problem(query, key, value),
+                                                {&query, &key, &value, &out});
   if (reason == nullptr) {
     debug_log(op, mma_atom_name(atom), nullptr);
     run_fused_forward(atom, query.scalar_type(), params);
@@ -92,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   at::Tensor grad_mask = at::empty({0}, query.options());
   const MmaAtom atom = atom_of(query);
   const char* reason = fused_unsupported_reason(
-      atom, query, key, value,
+      atom, attention_problem(query, key, value),
       {&query, &key, &value, &out, &grad_out, &grad_query, &grad_key, &grad_value});
   if (reason == nullptr && lse.scalar_type() != at::kFloat) reason = "lse is not fp32";
   if (reason == nullptr) {
@@ -120,6 +170,82 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   return {grad_query, grad_key, grad_value, grad_mask};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_cuda(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  constexpr const char* op = "flashv100._flash_forward";
+  const std::optional<at::Tensor> cu_q = contiguous_or_none(cu_seqlens_q),
+                                  cu_k = contiguous_or_none(cu_seqlens_k),
+                                  slopes = contiguous_or_none(alibi_slopes);
+  const FlashArgs args{query,         key,    value,       cu_q,         cu_k,
+                       max_seqlen_q,  max_seqlen_k, dropout_p, softmax_scale, causal,
+                       window_left,   window_right, softcap,   slopes};
+  check_flash_inputs(op, args);
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor out = at::empty_like(query);
+  at::Tensor lse = allocate_flash_lse(args);
+  ForwardParams params = make_flash_forward_params(args, out, lse);
+  at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query, params.dropout)
+                                         : at::zeros({2}, query.options().dtype(at::kLong));
+  if (flash_has_no_query(args)) return {out, lse, rng_state};
+  if (flash_has_no_key(args)) {
+    debug_log(op, "no key", nullptr);
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse, rng_state};
+  }
+  const MmaAtom atom = atom_of(query);
+  check_flash_fused(op, atom, args, {&query, &key, &value, &out});
+  debug_log(op, mma_atom_name(atom), args.varlen() ? "varlen" : nullptr);
+  run_fused_forward(atom, query.scalar_type(), params);
+  return {out, lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& softmax_lse,
+    const at::Tensor& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    bool deterministic) {
+  constexpr const char* op = "flashv100._flash_backward";
+  const std::optional<at::Tensor> cu_q = contiguous_or_none(cu_seqlens_q),
+                                  cu_k = contiguous_or_none(cu_seqlens_k),
+                                  slopes = contiguous_or_none(alibi_slopes);
+  const FlashArgs args{query,         key,    value,       cu_q,         cu_k,
+                       max_seqlen_q,  max_seqlen_k, dropout_p, softmax_scale, causal,
+                       window_left,   window_right, softcap,   slopes};
+  check_flash_inputs(op, args);
+  check_flash_backward_inputs(op, args, grad_out, out, softmax_lse, rng_state);
+  TORCH_CHECK(rng_state.device() == query.device(), op, ": expected rng_state on ",
+              query.device(), " as returned by _flash_forward, got ", rng_state.device());
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key),
+             grad_value = at::empty_like(value);
+  if (flash_has_no_query(args) || flash_has_no_key(args)) {
+    grad_query.zero_();
+    grad_key.zero_();
+    grad_value.zero_();
+    return {grad_query, grad_key, grad_value};
+  }
+  const MmaAtom atom = atom_of(query);
+  check_flash_fused(op, atom, args,
+                    {&query, &key, &value, &out, &grad_out, &grad_query, &grad_key, &grad_value});
+  debug_log(op, mma_atom_name(atom), deterministic ? "deterministic" : nullptr);
+  // The kernels read the lse rows (and write their per-row vectors) contiguously.
+  const at::Tensor lse_c = softmax_lse.contiguous();
+  BackwardParams params = make_flash_backward_params(args, grad_out, out, lse_c, grad_query,
+                                                     grad_key, grad_value, deterministic);
+  params.fwd.dropout.seed_ptr = rng_state.data_ptr<int64_t>();
+  params.fwd.dropout.offset_ptr = rng_state.data_ptr<int64_t>() + 1;
+  run_fused_backward(atom, query.scalar_type(), params);
+  return {grad_query, grad_key, grad_value};
+}
+
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                              int64_t len_q, int64_t len_kv, double dropout_p) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
@@ -137,6 +263,8 @@ at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t
 TORCH_LIBRARY_IMPL(flashv100, CUDA, m) {
   m.impl("_attention_forward", TORCH_FN(attention_forward_cuda));
   m.impl("_attention_backward", TORCH_FN(attention_backward_cuda));
+  m.impl("_flash_forward", TORCH_FN(flash_forward_cuda));
+  m.impl("_flash_backward", TORCH_FN(flash_backward_cuda));
   m.impl("_dropout_mask", TORCH_FN(dropout_mask_cuda));
 }
 

@@ -22,7 +22,7 @@ constexpr int64_t kMaxGridY = 65535;
 
 bool rows_aligned(const at::Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d)
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
     if (t.size(d) > 1 && t.stride(d) % 8 != 0) return false;
   return true;
 }
@@ -35,19 +35,18 @@ __global__ void write_rng_state_kernel(at::PhiloxCudaState state, int64_t* out) 
 
 }  // namespace
 
-const char* fused_unsupported_reason(MmaAtom atom, const at::Tensor& query, const at::Tensor& key,
-                                     const at::Tensor& value,
+const char* fused_unsupported_reason(MmaAtom atom, const FusedProblem& problem,
                                      std::initializer_list<const at::Tensor*> tensors) {
-  const at::ScalarType dtype = query.scalar_type();
+  const at::ScalarType dtype = problem.dtype;
   if (dtype != at::kHalf && dtype != at::kBFloat16) return "dtype is not fp16/bf16";
   if (dtype == at::kBFloat16 && atom == MmaAtom::kVoltaM8N8K4)
     return "bf16 has no Volta tensor-core atom";
-  const int64_t d = query.size(3);
+  const int64_t d = problem.head_dim;
   if (d % 8 != 0 || d < 8 || d > 256) return "head dim is not a multiple of 8 in [8, 256]";
-  if (value.size(3) != d) return "value head dim differs from query head dim";
-  if (query.numel() == 0 || key.numel() == 0) return "empty tensor";
-  if (query.size(2) > INT32_MAX / 2 || key.size(2) > INT32_MAX / 2) return "sequence too long";
-  if (query.size(0) * query.size(1) > kMaxGridY || key.size(0) * key.size(1) > kMaxGridY)
+  if (problem.head_dim_v != d) return "value head dim differs from query head dim";
+  if (problem.empty) return "empty tensor";
+  if (problem.len_q > INT32_MAX / 2 || problem.len_kv > INT32_MAX / 2) return "sequence too long";
+  if (problem.batch_heads_q > kMaxGridY || problem.batch_heads_kv > kMaxGridY)
     return "batch * heads exceeds the grid";
   for (const at::Tensor* t : tensors)
     if (!rows_aligned(*t)) return "a tensor's rows are not 16-byte aligned";

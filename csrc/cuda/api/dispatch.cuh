@@ -58,10 +58,12 @@ void dispatch(MmaAtom atom, at::ScalarType dtype, int64_t head_dim, kern::Varian
   }
 }
 
-// Masks need the general score math, and so does a scale that is not positive (the plain math
-// takes row maxima of unscaled scores); dropout its own variants.
+// Masks need the general score math, and so do softcap and ALiBi (score modifiers in natural-log
+// units) and a scale that is not positive (the plain math takes row maxima of unscaled scores);
+// dropout its own variants. Windows and packed batches run in every variant.
 inline kern::Variant variant_of(const ForwardParams& p) {
-  const bool general = p.mask.kind != MaskKind::kNone || !(p.scale > 0.0);
+  const bool general = p.mask.kind != MaskKind::kNone || !(p.scale > 0.0) ||
+                       p.score_mod.softcap > 0.0f || p.score_mod.alibi_slopes != nullptr;
   if (p.dropout.p > 0.0f) return general ? kern::Variant::kMaskedDropout : kern::Variant::kDropout;
   return general ? kern::Variant::kMasked : kern::Variant::kPlain;
 }

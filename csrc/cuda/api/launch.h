@@ -12,10 +12,18 @@
 namespace flashv100 {
 namespace cuda {
 
+// What decides whether the fused kernels take a problem, whatever the tensors' layout.
+struct FusedProblem {
+  at::ScalarType dtype;
+  int64_t head_dim, head_dim_v;
+  int64_t len_q, len_kv;                  // longest sequences
+  int64_t batch_heads_q, batch_heads_kv;  // grid rows of the forward and of dK/dV
+  bool empty;                             // no query or no key element at all
+};
+
 // Why the fused kernels cannot run this problem (nullptr when they can). `tensors` are every
 // 16-bit tensor the kernels address (alignment and stride checks).
-const char* fused_unsupported_reason(MmaAtom atom, const at::Tensor& query, const at::Tensor& key,
-                                     const at::Tensor& value,
+const char* fused_unsupported_reason(MmaAtom atom, const FusedProblem& problem,
                                      std::initializer_list<const at::Tensor*> tensors);
 
 // Fused kernels on the current stream of the tensors' device (the caller holds a device guard).

@@ -17,40 +17,112 @@ __device__ __forceinline__ uint16_t* head_ptr(void* base, const TensorStrides& s
   return static_cast<uint16_t*>(base) + b * st.batch + h * st.head + row * st.row;
 }
 
-// Key j is visible from query i iff j < len_kv and (no causality or j <= i + shift).
+// Key j of a sequence is visible from its query i iff j < len_kv and lo <= j - i <= hi: causal
+// alignment and window of common/params.h (WindowParams) in one band. Unbounded sides are clamped
+// to values no (padded) tile reaches, so that they cost nothing beyond one compare.
 struct Visibility {
   int len_q, len_kv;
-  bool causal;
-  int shift;  // 0 for top-left, len_kv - len_q for bottom-right
+  int lo, hi;
 
-  __device__ __forceinline__ explicit Visibility(const ForwardParams& p)
-      : len_q(static_cast<int>(p.shape.len_q)),
-        len_kv(static_cast<int>(p.shape.len_kv)),
-        causal(p.causal != CausalMode::kNone),
-        shift(p.causal == CausalMode::kBottomRight ? len_kv - len_q : 0) {}
+  // Rows of a block tile past len_q stay below len_q + kRowPad (tiles have at most 128 rows).
+  static constexpr int kRowPad = 256;
+
+  __device__ __forceinline__ Visibility(const ForwardParams& p, const SequenceSpan& seq)
+      : len_q(static_cast<int>(seq.len_q)), len_kv(static_cast<int>(seq.len_kv)) {
+    const int shift = p.causal == CausalMode::kTopLeft ? 0 : len_kv - len_q;
+    int right = p.window.right;
+    if (p.causal != CausalMode::kNone) right = right < 0 ? 0 : min(right, 0);
+    hi = right < 0 ? len_kv : min(len_kv, shift + min(right, len_kv));
+    lo = p.window.left < 0 ? -len_q - kRowPad
+                           : max(-len_q - kRowPad, shift - min(p.window.left, len_q + kRowPad));
+  }
 
   __device__ __forceinline__ bool visible(int i, int j) const {
-    return j < len_kv && (!causal || j <= i + shift);
+    return j < len_kv && j - i <= hi && j - i >= lo;
   }
-  // Keys [0, key_end) can be visible from some query row in [row_begin, row_end).
+  // Keys [key_begin(row_begin), key_end(row_end)) cover every key visible from some query row in
+  // [row_begin, row_end).
+  __device__ __forceinline__ int key_begin(int row_begin) const {
+    return max(0, row_begin + lo);
+  }
   __device__ __forceinline__ int key_end(int row_end) const {
     const int last_row = min(row_end, len_q) - 1;
-    return causal ? max(0, min(len_kv, last_row + shift + 1)) : len_kv;
+    return max(0, min(len_kv, last_row + hi + 1));
   }
-  // First query row that can see some key in [key_begin, ...).
+  // Query rows [row_begin(key_begin), row_end(key_end)) cover every row that sees some key in
+  // [key_begin, key_end).
   __device__ __forceinline__ int row_begin(int key_begin) const {
-    return causal ? max(0, key_begin - shift) : 0;
+    return max(0, key_begin - hi);
   }
-  // Does the (rows x keys) tile need per-element masking?
-  __device__ __forceinline__ bool tile_needs_mask(int row0, int key0, int key_count) const {
-    return key0 + key_count > len_kv || (causal && key0 + key_count - 1 > row0 + shift);
+  __device__ __forceinline__ int row_end(int key_end) const {
+    return max(0, min(len_q, key_end - lo));
   }
-  // The same problem with keys at and past `end` hidden (the causal alignment keeps the full
-  // key length): what a mask that drops every key past `end` amounts to.
+  // Does the (row_count x key_count) tile at (row0, key0) need per-element masking?
+  __device__ __forceinline__ bool tile_needs_mask(int row0, int row_count, int key0,
+                                                  int key_count) const {
+    return key0 + key_count > len_kv || key0 + key_count - 1 - row0 > hi ||
+           key0 - (row0 + row_count - 1) < lo;
+  }
+  // The same problem with keys at and past `end` hidden (the alignment keeps the full key
+  // length): what a mask that drops every key past `end` amounts to.
   __device__ __forceinline__ Visibility keys_before(int end) const {
     Visibility v = *this;
     v.len_kv = min(len_kv, end);
     return v;
+  }
+};
+
+// FlashAttention-2's score modifiers of one (batch, query head) of a sequence (ScoreModParams),
+// in registers: softcap, then ALiBi, on scores in natural-log units (the general variants only).
+// Both are uniform per block, so their branches are too, and calls without them skip them whole.
+struct ScoreMod {
+  const ScoreModParams& params;  // a kernel parameter: read where used
+  float slope;                   // this head's ALiBi slope; 0: none
+  int diag;                      // len_kv - len_q: key i + diag is at ALiBi distance 0 from row i
+
+  __device__ __forceinline__ ScoreMod(const ForwardParams& p, const SequenceSpan& seq, int64_t b,
+                                      int64_t h)
+      : params(p.score_mod),
+        slope(p.score_mod.alibi_slopes != nullptr
+                  ? p.score_mod.alibi_slopes[b * p.score_mod.alibi_batch_stride + h]
+                  : 0.0f),
+        diag(static_cast<int>(seq.len_kv - seq.len_q)) {}
+
+  __device__ __forceinline__ bool softcap() const { return params.softcap > 0.0f; }
+  __device__ __forceinline__ float alibi_bias(int i, int j) const {
+    return slope * fabsf(static_cast<float>(i + diag - j));
+  }
+  // The modified score of one scaled score x (query i, key j).
+  __device__ __forceinline__ float apply(float x, int i, int j) const {
+    if (softcap()) x = params.softcap * fast_tanh(x * (1.0f / params.softcap));
+    return slope != 0.0f ? x - alibi_bias(i, j) : x;
+  }
+  // The same on a warp tile of scaled scores whose (r, c) is query row0 + r, key col0 + c; hidden
+  // scores (-inf) stay hidden.
+  template <class Acc>
+  __device__ __forceinline__ void apply(Acc& acc, int lane, int row0, int col0) const {
+    if (softcap()) {
+      const float cap = params.softcap, inv_cap = 1.0f / params.softcap;
+      acc.for_each(lane, [&](int, int, int, int, float& x) {
+        if (x != neg_inf()) x = cap * fast_tanh(x * inv_cap);
+      });
+    }
+    if (slope != 0.0f) {
+      acc.for_each(lane, [&](int, int, int r, int c, float& x) {
+        x -= alibi_bias(row0 + r, col0 + c);
+      });
+    }
+  }
+  // d(softcapped score) / d(scaled score) = 1 - tanh^2, recovered from P = exp(score - base) as
+  // the backward recomputes it (P's base and log2 normalizer, ALiBi undone), so that no second
+  // accumulator tile holds it. P = 0 contributes nothing, whatever the factor.
+  __device__ __forceinline__ float softcap_grad(float prob, float base, float log2_norm, int i,
+                                                int j) const {
+    if (prob == 0.0f) return 0.0f;
+    float capped = base + (fast_log2(prob) - log2_norm) * (1.0f / kLog2e);
+    if (slope != 0.0f) capped += alibi_bias(i, j);
+    const float t = capped * (1.0f / params.softcap);
+    return fmaxf(0.0f, 1.0f - t * t);
   }
 };
 

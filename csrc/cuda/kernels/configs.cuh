@@ -65,6 +65,10 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant> {
   static constexpr bool kDropout = has_dropout(kVariant);
   static constexpr int kThreads = T::kWarps * 32;
   static constexpr int kWarpRows = T::kBlockM / T::kWarps;
+  // The S product as one straight block (warp_gemm's kStraightFullExtent): all variants but
+  // plain, whose head-dim-64 tile spills 8 bytes with it on sm_80 since the causal/window band
+  // (its dropout twin spills 4 bytes without it; scripts/nvrtc_gate.py).
+  static constexpr bool kStraightS = kVariant != Variant::kPlain;
   // V is stored transposed for atoms that read B fragments pair by pair (pairs along keys).
   static constexpr bool kVTransposed = !Atom::kLdmatrix;
   static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]

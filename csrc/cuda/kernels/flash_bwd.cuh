@@ -4,7 +4,10 @@
 // it loops over the query heads of its GQA group and over query tiles, accumulating dK and dV in
 // registers (no races between blocks, so dK/dV are deterministic). dQ is either atomically added
 // into an fp32 workspace by that kernel (fast), or computed by a second kernel that loops over
-// key tiles per query tile (deterministic: fixed summation order).
+// key tiles per query tile (deterministic: fixed summation order). Packed (varlen) batches: grids
+// cover the longest sequence, tiles past a sequence's end exit; per-row vectors (D, P's base and
+// normalizer) and the dQ workspace are laid out [B, Hq, max_seqlen_q]. Key tiles loop only over the
+// query tiles of their causal/window band, query tiles only over the key tiles of theirs.
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
@@ -34,24 +37,37 @@ struct BwdSmem {
   }
 };
 
+// Index of row i of sequence b, head h, in the backward's per-row vectors: [B, Hq, len_q] with
+// len_q the longest sequence's length (varlen); the lse itself is addressed by its LseLayout.
+__device__ __forceinline__ int64_t row_vector_index(const ForwardParams& f, int64_t b, int64_t h,
+                                                    int64_t i) {
+  return (b * f.shape.heads_q + h) * f.shape.len_q + i;
+}
+__device__ __forceinline__ int64_t lse_index(const ForwardParams& f, const SequenceSpan& seq,
+                                             int64_t b, int64_t h, int64_t i) {
+  return b * f.lse_layout.batch + h * f.lse_layout.head + seq.q_start + i;
+}
+
 // Q, dO and the row vectors of BwdSmem of query rows [m0, m0 + kBlockM) of head h (Q and dO by
 // stage_tile: they land after cp_async_wait_all). Rows past the end get row_base = +inf so that
 // their recomputed P is exactly 0.
 template <class Atom, class Cfg>
 __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const BackwardParams& p,
-                                                const float* dsum, int64_t b, int64_t h, int m0,
-                                                int tid) {
+                                                const float* dsum, const SequenceSpan& seq,
+                                                int64_t b, int64_t h, int m0, int tid) {
   const ForwardParams& f = p.fwd;
-  const int rows = static_cast<int>(f.shape.len_q) - m0;
+  const int rows = static_cast<int>(seq.len_q) - m0;
   const int d = static_cast<int>(f.shape.head_dim);
-  const int64_t row_index = (b * f.shape.heads_q + h) * f.shape.len_q + m0;
+  const int64_t row_index = row_vector_index(f, b, h, m0);
+  const int64_t q_row = seq.q_start + m0;
   stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
-      sm.q, Cfg::kLdE, head_ptr(f.q, f.q_strides, b, h, m0), f.q_strides.row, rows, d, tid);
+      sm.q, Cfg::kLdE, head_ptr(f.q, f.q_strides, b, h, q_row), f.q_strides.row, rows, d, tid);
   stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
-      sm.dout, Cfg::kLdE, head_ptr(p.dout, p.dout_strides, b, h, m0), p.dout_strides.row, rows, d,
-      tid);
+      sm.dout, Cfg::kLdE, head_ptr(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row, rows,
+      d, tid);
   load_row_vector<Cfg::kBlockM, Cfg::kThreads>(
-      sm.row_base, (Cfg::kGeneral ? p.row_base : f.lse) + row_index, rows, pos_inf(), tid);
+      sm.row_base, Cfg::kGeneral ? p.row_base + row_index : f.lse + lse_index(f, seq, b, h, m0),
+      rows, pos_inf(), tid);
   load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.dsum, dsum + row_index, rows, 0.0f, tid);
   if constexpr (Cfg::kGeneral) {
     load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.log2_norm, p.row_log2_norm + row_index, rows,
@@ -59,31 +75,36 @@ __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const Ba
   }
 }
 
-// K and V of key rows [n0, n0 + kBlockN) of kv head hk (by stage_tile).
+// K and V of key rows [n0, n0 + kBlockN) of a sequence's kv head, whose row 0 is at k_head and
+// v_head, with len_kv keys (by stage_tile).
 template <class Atom, class Cfg>
 __device__ __forceinline__ void load_key_side(const BwdSmem<Cfg>& sm, const BackwardParams& p,
-                                              int64_t b, int64_t hk, int n0, int tid) {
+                                              const uint16_t* k_head, const uint16_t* v_head,
+                                              int len_kv, int n0, int tid) {
   const ForwardParams& f = p.fwd;
-  const int rows = static_cast<int>(f.shape.len_kv) - n0;
+  const int rows = len_kv - n0;
   const int d = static_cast<int>(f.shape.head_dim);
   stage_tile<Atom, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads>(
-      sm.k, Cfg::kLdE, head_ptr(f.k, f.k_strides, b, hk, n0), f.k_strides.row, rows, d, tid);
+      sm.k, Cfg::kLdE, k_head + n0 * f.k_strides.row, f.k_strides.row, rows, d, tid);
   stage_tile<Atom, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads>(
-      sm.v, Cfg::kLdE, head_ptr(f.v, f.v_strides, b, hk, n0), f.v_strides.row, rows, d, tid);
+      sm.v, Cfg::kLdE, v_head + n0 * f.v_strides.row, f.v_strides.row, rows, d, tid);
 }
 
-// What the P/dS recomputation needs about one (batch, query head).
+// What the P/dS recomputation needs about one (batch, query head) of a sequence.
 struct BwdHead {
   int64_t batch_head;  // b * Hq + h: dropout counter and dmask rows
   HeadMask mask;
   Visibility vis;  // keys past the mask's key_end hidden
+  ScoreMod mods;
   float* dmask;    // this head's [Lq, Lkv] rows of the fp32 mask gradient, or nullptr
   int64_t dmask_ld;
 
-  __device__ __forceinline__ BwdHead(const BackwardParams& p, int64_t b, int64_t h)
+  __device__ __forceinline__ BwdHead(const BackwardParams& p, const SequenceSpan& seq, int64_t b,
+                                     int64_t h)
       : batch_head(b * p.fwd.shape.heads_q + h),
         mask(p.fwd.mask, b, h, p.fwd.shape.heads_q),
-        vis(Visibility(p.fwd).keys_before(mask.key_end)),
+        vis(Visibility(p.fwd, seq).keys_before(mask.key_end)),
+        mods(p.fwd, seq, b, h),
         dmask(p.dmask != nullptr ? p.dmask + batch_head * p.fwd.shape.len_q * p.fwd.shape.len_kv
                                  : nullptr),
         dmask_ld(p.fwd.shape.len_kv) {}
@@ -129,7 +150,7 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     }
   // Scores as in the forward (raw for the plain variant, scaled plus bias for the general one);
   // hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get probability 0.
-  const bool needs_mask = vis.tile_needs_mask(m0 + r0, n0 + c0, Cfg::kSCols);
+  const bool needs_mask = vis.tile_needs_mask(m0 + r0, Cfg::kSRows, n0 + c0, Cfg::kSCols);
   s.for_each(lane, [&](int, int, int r, int c, float& x) {
     if (needs_mask && !vis.visible(m0 + r0 + r, n0 + c0 + c)) {
       x = neg_inf();
@@ -137,7 +158,10 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
       x *= scale;
     }
   });
-  if constexpr (Cfg::kGeneral) head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
+  if constexpr (Cfg::kGeneral) {
+    head.mods.apply(s, lane, m0 + r0, n0 + c0);
+    head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
+  }
   s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
     if (x == neg_inf()) {
       x = 0.0f;
@@ -154,15 +178,24 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     // With the dropout factor z = Z / (1 - p) (keep mask Z): dS = P (dP z - D), and P z is
     // what dV multiplies. One select per entry; the rest are FMA-pipe products.
     const float inv_keep = dropout.inv_keep();
+    const bool softcap = Cfg::kGeneral && head.mods.softcap();
     dropout.for_each_keep_pair<Atom, Acc>(
         lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
-          const float d_row = dsum[fm][Atom::row_slot(i)];
+          const int sl = Atom::row_slot(i);
+          const float d_row = dsum[fm][sl];
           const float z[2] = {k0 ? inv_keep : 0.0f, k1 ? inv_keep : 0.0f};
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& prob = s.c[fm][fn][i + e];
             float& ds = dp.c[fm][fn][i + e];
             ds = prob * fmaf(ds, z[e], -d_row);
+            if constexpr (Cfg::kGeneral) {
+              if (softcap) {
+                ds *= head.mods.softcap_grad(prob, base[fm][sl], log2_norm[fm][sl],
+                                             m0 + r0 + Acc::row_of(lane, fm, sl),
+                                             n0 + c0 + Acc::col_of(lane, fn, i + e));
+              }
+            }
             prob *= z[e];
           }
         });
@@ -170,6 +203,21 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     dp.for_each_zip(s, [&](int fm, int sl, float& ds, float& prob) {
       ds = prob * (ds - dsum[fm][sl]);
     });
+    if constexpr (Cfg::kGeneral) {
+      if (head.mods.softcap()) {  // dS of the scaled score: times softcap's 1 - tanh^2
+#pragma unroll
+        for (int fm = 0; fm < Acc::kFragM; ++fm)
+#pragma unroll
+          for (int fn = 0; fn < Acc::kFragN; ++fn)
+#pragma unroll
+            for (int i = 0; i < Atom::kCRegs; ++i) {
+              const int sl = Atom::row_slot(i);
+              dp.c[fm][fn][i] *= head.mods.softcap_grad(
+                  s.c[fm][fn][i], base[fm][sl], log2_norm[fm][sl],
+                  m0 + r0 + Acc::row_of(lane, fm, sl), n0 + c0 + Acc::col_of(lane, fn, i));
+            }
+      }
+    }
   }
   if constexpr (Cfg::kGeneral && kWriteDMask) {
     if (head.dmask != nullptr) {
@@ -218,15 +266,19 @@ __device__ __forceinline__ void recount_saturated_row(const BackwardParams& p, i
                                                       int64_t h, int i, int lane, float& base,
                                                       float& log2_norm) {
   const ForwardParams& f = p.fwd;
-  const BwdHead head(p, b, h);
+  const SequenceSpan seq = sequence_span(f, b);
+  const BwdHead head(p, seq, b, h);
   const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
-  const uint16_t* q = head_ptr(f.q, f.q_strides, b, h, i);
+  const uint16_t* q = head_ptr(f.q, f.q_strides, b, h, seq.q_start + i);
   const float scale = static_cast<float>(f.scale);
-  const int key_end = head.vis.key_end(i + 1);  // keys [0, key_end) are visible from row i
+  // Keys [key_begin, key_end) hold every key visible from row i.
+  const int key_end = head.vis.key_end(i + 1);
   float row_max = neg_inf(), sum = 0.0f;
-  for (int j = 0; j < key_end; ++j) {
-    float s = warp_row_dot<Elem>(q, head_ptr(f.k, f.k_strides, b, hk, j), f.shape.head_dim,
-                                 lane) * scale;
+  for (int j = head.vis.key_begin(i); j < key_end; ++j) {
+    if (!head.vis.visible(i, j)) continue;
+    float s = warp_row_dot<Elem>(q, head_ptr(f.k, f.k_strides, b, hk, seq.k_start + j),
+                                 f.shape.head_dim, lane) * scale;
+    s = head.mods.apply(s, i, j);
     if (head.mask.reads) s += head.mask.bias(i, j);
     if (s == neg_inf()) continue;  // dropped by the mask
     const float new_max = fmaxf(row_max, s);
@@ -249,12 +301,14 @@ __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParam
   if (row >= f.shape.batch * f.shape.heads_q * f.shape.len_q) return;
   const int64_t bh = row / f.shape.len_q, i = row % f.shape.len_q;
   const int64_t b = bh / f.shape.heads_q, h = bh % f.shape.heads_q;
-  const uint16_t* g = head_ptr(p.dout, p.dout_strides, b, h, i);
-  const float d_row =
-      warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, i), g, f.shape.head_dim, lane);
+  const SequenceSpan seq = sequence_span(f, b);
+  if (i >= seq.len_q) return;  // past this sequence's end (varlen)
+  const uint16_t* g = head_ptr(p.dout, p.dout_strides, b, h, seq.q_start + i);
+  const float d_row = warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, seq.q_start + i), g,
+                                         f.shape.head_dim, lane);
   if (lane == 0) dsum[row] = d_row;
   if constexpr (!kGeneral) return;
-  float base = f.lse[row], log2_norm = 0.0f;
+  float base = f.lse[lse_index(f, seq, b, h, i)], log2_norm = 0.0f;
   if (fabsf(base) >= kSaturatedLse && fabsf(base) != pos_inf() &&
       warp_row_nonzero(g, f.shape.head_dim, lane)) {
     recount_saturated_row<Elem>(p, b, h, static_cast<int>(i), lane, base, log2_norm);
@@ -315,16 +369,19 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const BwdSmem<Cfg> sm(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const ForwardParams& f = p.fwd;
-  const Visibility vis(f);
+  const int n0 = blockIdx.x * kBlockN;
+  const int64_t b = blockIdx.y / f.shape.heads_kv, hk = blockIdx.y % f.shape.heads_kv;
+  const SequenceSpan seq = sequence_span(f, b);
+  if (n0 >= seq.len_kv) return;  // past this sequence's end (varlen)
+  const Visibility vis(f, seq);
   const int d = static_cast<int>(f.shape.head_dim);
   const int k_extent = round_up(d, Atom::kK), n_extent = round_up(d, Atom::kN);
   const float scale = static_cast<float>(f.scale);
   const Dropout dropout(f.dropout);
-  const int n0 = blockIdx.x * kBlockN;
-  const int64_t b = blockIdx.y / f.shape.heads_kv, hk = blockIdx.y % f.shape.heads_kv;
   const int64_t group = f.shape.heads_q / f.shape.heads_kv;
 
-  load_key_side<Atom>(sm, p, b, hk, n0, tid);
+  load_key_side<Atom>(sm, p, head_ptr(f.k, f.k_strides, b, hk, seq.k_start),
+                      head_ptr(f.v, f.v_strides, b, hk, seq.k_start), vis.len_kv, n0, tid);
 
   using KVAcc = WarpAccum<Atom, Cfg::kKVRows, Cfg::kKVCols>;
   const int kv_r0 = (warp / Cfg::kWarpsNKV) * Cfg::kKVRows;
@@ -337,9 +394,11 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   using QAcc = typename DqWs::Acc;
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
 
-  // Steps: the query tiles that can see this key tile, for each query head of the GQA group.
+  // Steps: the query tiles that can see this key tile (its causal/window band), for each query
+  // head of the GQA group.
   const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
-  const int tiles_per_head = max(0, (vis.len_q - row_begin + kBlockM - 1) / kBlockM);
+  const int row_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
+  const int tiles_per_head = max(0, (row_end - row_begin + kBlockM - 1) / kBlockM);
   const int steps = tiles_per_head * static_cast<int>(group);
   const auto head_of = [&](int step) { return hk * group + step / tiles_per_head; };
   const auto row_of = [&](int step) { return row_begin + (step % tiles_per_head) * kBlockM; };
@@ -351,12 +410,12 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
     return step;
   };
   int step = first_active(0);
-  if (step < steps) load_query_side<Atom>(sm, p, dsum, b, head_of(step), row_of(step), tid);
+  if (step < steps) load_query_side<Atom>(sm, p, dsum, seq, b, head_of(step), row_of(step), tid);
   for (int next; step < steps; step = next) {
     next = first_active(step + 1);
     const int64_t h = head_of(step);
     const int m0 = row_of(step);
-    const BwdHead head(p, b, h);
+    const BwdHead head(p, seq, b, h);
     cp_async_wait_all();
     __syncthreads();  // this step's Q, dO, lse, D landed; the last step's dS is fully consumed
     compute_p_ds<Atom, Elem, Cfg, true, true>(sm, head, dropout, scale, k_extent, m0, n0, warp,
@@ -369,7 +428,9 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
                                    MMajor{sm.q + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
     // The next step's query side loads while dQ = dS K is computed (it reads only dS and K).
     __syncthreads();
-    if (next < steps) load_query_side<Atom>(sm, p, dsum, b, head_of(next), row_of(next), tid);
+    if (next < steps) {
+      load_query_side<Atom>(sm, p, dsum, seq, b, head_of(next), row_of(next), tid);
+    }
     if (dq_accum != nullptr) {
       for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
         const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
@@ -377,7 +438,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
         dq.zero();
         warp_gemm<Atom, Elem, kBlockN>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
                                        MMajor{sm.k + q_c0, kLdE}, kBlockN, n_extent - q_c0, lane);
-        float* dst = DqWs::warp_tile(dq_accum, b * f.shape.heads_q + h, vis.len_q, m0,
+        float* dst = DqWs::warp_tile(dq_accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
                                      e0 / Cfg::kDqCols, warp);
         DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) {
           if (q_c0 + QAcc::col_of(lane, fn, i) < d) atomicAdd(dst + slot, dq.c[fm][fn][i]);
@@ -388,17 +449,21 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   cp_async_wait_all();  // K and V when no query tile sees this key tile
 
   const int rows_valid = vis.len_kv - n0 - kv_r0;
-  store_accum_global<Elem>(dk, head_ptr(p.dk, p.dk_strides, b, hk, n0 + kv_r0) + kv_c0,
+  const int64_t k_row = sequence_span(f, b).k_start + n0 + kv_r0;  // not kept over the loop
+  store_accum_global<Elem>(dk, head_ptr(p.dk, p.dk_strides, b, hk, k_row) + kv_c0,
                            p.dk_strides.row, rows_valid, d - kv_c0, lane,
                            [&](int, int) { return scale; });
-  store_accum_global<Elem>(dv, head_ptr(p.dv, p.dv_strides, b, hk, n0 + kv_r0) + kv_c0,
+  store_accum_global<Elem>(dv, head_ptr(p.dv, p.dv_strides, b, hk, k_row) + kv_c0,
                            p.dv_strides.row, rows_valid, d - kv_c0, lane,
                            [](int, int) { return 1.0f; });
 }
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.
+// The general variants (above 128 registers on Volta anyway) ask for one block per SM: else
+// ptxas may spill them to fit two.
 template <class Atom, class Elem, int kHeadDim, Variant kVariant>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
+                                  is_general(kVariant) ? 1 : 0)
     flash_bwd_dq_kernel(const BackwardParams p, const float* dsum) {
   using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
@@ -412,20 +477,26 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
   const Dropout dropout(f.dropout);
   const int m0 = blockIdx.x * kBlockM;
   const int64_t b = blockIdx.y / f.shape.heads_q, h = blockIdx.y % f.shape.heads_q;
+  const SequenceSpan seq = sequence_span(f, b);
+  if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
   const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
-  const BwdHead head(p, b, h);
+  const BwdHead head(p, seq, b, h);
 
-  load_query_side<Atom>(sm, p, dsum, b, h, m0, tid);
+  load_query_side<Atom>(sm, p, dsum, seq, b, h, m0, tid);
+  const uint16_t* k_head = head_ptr(f.k, f.k_strides, b, hk, seq.k_start);
+  const uint16_t* v_head = head_ptr(f.v, f.v_strides, b, hk, seq.k_start);
 
   using QAcc = WarpAccum<Atom, Cfg::kQRows, Cfg::kQColsFull>;
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
   const int q_c0 = (warp % Cfg::kWarpsNQ) * Cfg::kQColsFull;
   QAcc dq;
   dq.zero();
+  // The key tiles of this query tile's causal/window band (dropout needs them aligned).
+  const int key_begin = head.vis.key_begin(m0) / kBlockN * kBlockN;
   const int key_end = head.vis.key_end(m0 + kBlockM);
-  for (int n0 = 0; n0 < key_end; n0 += kBlockN) {
+  for (int n0 = key_begin; n0 < key_end; n0 += kBlockN) {
     __syncthreads();  // the previous K/V/dS tile is fully consumed
-    load_key_side<Atom>(sm, p, b, hk, n0, tid);
+    load_key_side<Atom>(sm, p, k_head, v_head, head.vis.len_kv, n0, tid);
     cp_async_wait_all();
     __syncthreads();
     compute_p_ds<Atom, Elem, Cfg, false, false>(sm, head, dropout, scale, k_extent, m0, n0, warp,
@@ -435,7 +506,8 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
                                    MMajor{sm.k + q_c0, Cfg::kLdE}, kBlockN, n_extent - q_c0, lane);
   }
   cp_async_wait_all();  // Q and dO when no key is visible
-  store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, m0 + q_r0) + q_c0,
+  const int64_t q_row = sequence_span(f, b).q_start + m0 + q_r0;  // not kept over the loop
+  store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, q_row) + q_c0,
                            p.dq_strides.row, head.vis.len_q - m0 - q_r0, d - q_c0, lane,
                            [&](int, int) { return scale; });
 }
@@ -452,6 +524,8 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
   const int len_q = static_cast<int>(f.shape.len_q), d = static_cast<int>(f.shape.head_dim);
   const int m0 = blockIdx.x * Cfg::kBlockM;
   const int64_t b = blockIdx.y / f.shape.heads_q, h = blockIdx.y % f.shape.heads_q;
+  const SequenceSpan seq = sequence_span(f, b);
+  if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
   const float scale = static_cast<float>(f.scale);
   for (int e0 = 0; e0 < round_up(d, Atom::kN); e0 += Cfg::kDqCols) {
@@ -460,8 +534,9 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
                                        e0 / Cfg::kDqCols, warp);
     typename DqWs::Acc dq;
     DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) { dq.c[fm][fn][i] = src[slot]; });
-    store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, m0 + q_r0) + q_c0,
-                             p.dq_strides.row, len_q - m0 - q_r0, d - q_c0, lane,
+    store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, seq.q_start + m0 + q_r0) + q_c0,
+                             p.dq_strides.row, static_cast<int>(seq.len_q) - m0 - q_r0,
+                             d - q_c0, lane,
                              [&](int, int) { return scale; });
   }
 }

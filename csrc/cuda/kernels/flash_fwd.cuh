@@ -7,7 +7,9 @@
 // the next tile while P.V runs (asynchronous with cp.async; on Volta the same order, synchronous).
 // The attn_mask bias is added to the scores and dropout is applied to P after the row sums (the
 // softmax normalizes undropped P). Scores stay in natural-log units until exponentiation so that
-// finfo.min biases cannot overflow.
+// finfo.min biases cannot overflow. Packed (varlen) batches: the grid covers the longest sequence
+// and the tiles past a sequence's end exit at once. Only the key tiles that the causal/window band
+// of the block's rows reaches are loaded and multiplied.
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
@@ -43,22 +45,28 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const int m0 = blockIdx.x * kBlockM;
   const int warp_row0 = warp * kWarpRows;
   const int64_t b = blockIdx.y / shape.heads_q, h = blockIdx.y % shape.heads_q;
+  const SequenceSpan seq = sequence_span(p, b);
+  if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
   const int64_t hk = kv_head_of(h, shape.heads_q, shape.heads_kv);
-  const uint16_t* k_head = head_ptr(p.k, p.k_strides, b, hk, 0);
-  const uint16_t* v_head = head_ptr(p.v, p.v_strides, b, hk, 0);
+  const uint16_t* k_head = head_ptr(p.k, p.k_strides, b, hk, seq.k_start);
+  const uint16_t* v_head = head_ptr(p.v, p.v_strides, b, hk, seq.k_start);
   const HeadMask mask(p.mask, b, h, shape.heads_q);
   // Keys a padding mask drops are never loaded or multiplied.
-  const Visibility vis = Visibility(p).keys_before(mask.key_end);
+  const Visibility vis = Visibility(p, seq).keys_before(mask.key_end);
+  const ScoreMod mods(p, seq, b, h);
   const Dropout dropout(p.dropout);
+  // The key tiles the band of rows [m0, m0 + kBlockM) reaches (dropout needs them aligned).
+  const int key_begin = vis.key_begin(m0) / kBlockN * kBlockN;
+  const int key_end = vis.key_end(m0 + kBlockM);
 
   const auto stage_k = [&](int n0) {
     stage_tile<Atom, kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
                                                   p.k_strides.row, vis.len_kv - n0, d, tid);
   };
   stage_tile<Atom, kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK,
-                                                head_ptr(p.q, p.q_strides, b, h, m0),
+                                                head_ptr(p.q, p.q_strides, b, h, seq.q_start + m0),
                                                 p.q_strides.row, vis.len_q - m0, d, tid);
-  stage_k(0);
+  stage_k(key_begin);
 
   OAcc o;
   o.zero();
@@ -86,8 +94,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
     }
   }();
 
-  const int key_end = vis.key_end(m0 + kBlockM);
-  for (int n0 = 0; n0 < key_end; n0 += kBlockN) {
+  for (int n0 = key_begin; n0 < key_end; n0 += kBlockN) {
     cp_async_wait_all();
     __syncthreads();  // K (and Q) landed; every warp is done with the previous V
     stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
@@ -96,12 +103,13 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
 
     SAcc s;
     s.zero();
-    warp_gemm<Atom, Elem, kHeadDim, true>(s, q_op, k_op, k_extent, kBlockN, lane);
+    warp_gemm<Atom, Elem, kHeadDim, Cfg::kStraightS>(s, q_op, k_op, k_extent, kBlockN, lane);
 
     // Scores in the units the exponent takes them: raw for the plain variant (the scale is
-    // folded into one FMA with the running max), scaled plus mask bias (natural-log units, so
-    // that finfo.min biases cannot overflow) for the general one. Invisible keys: -inf.
-    const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, n0, kBlockN);
+    // folded into one FMA with the running max), scaled, softcapped, ALiBi- and mask-biased
+    // (natural-log units, so that finfo.min biases cannot overflow) for the general one.
+    // Invisible keys: -inf.
+    const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, kWarpRows, n0, kBlockN);
     s.for_each(lane, [&](int, int, int r, int c, float& x) {
       if (needs_mask && !vis.visible(m0 + warp_row0 + r, n0 + c)) {
         x = neg_inf();
@@ -109,7 +117,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
         x *= scale;
       }
     });
-    if constexpr (kGeneral) mask.add_bias(s, lane, m0 + warp_row0, n0, vis.len_q);
+    if constexpr (kGeneral) {
+      mods.apply(s, lane, m0 + warp_row0, n0);
+      mask.add_bias(s, lane, m0 + warp_row0, n0, vis.len_q);
+    }
 
     // Online softmax: new running max per row, rescale what was accumulated so far.
     float tile_max[kFragM][kSlots];
@@ -167,6 +178,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   // Epilogue: O / l and lse = ln(sum exp(scaled scores)); rows with no visible key: 0 and -inf.
   float inv_sum[kFragM][kSlots];
   const int rows_valid = vis.len_q - m0 - warp_row0;
+  const int64_t row0 = seq.q_start + m0 + warp_row0;
+  float* const lse = p.lse + b * p.lse_layout.batch + h * p.lse_layout.head + row0;
 #pragma unroll
   for (int fm = 0; fm < kFragM; ++fm)
 #pragma unroll
@@ -175,11 +188,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
       inv_sum[fm][sl] = l > 0.0f ? (kDropout ? dropout.inv_keep() : 1.0f) / l : 0.0f;
       const int r = OAcc::row_of(lane, fm, sl);
       if (is_row_leader<Atom>(lane) && r < rows_valid) {
-        p.lse[blockIdx.y * shape.len_q + m0 + warp_row0 + r] =
-            l > 0.0f ? row_max[fm][sl] * ln_unit + logf(l) : neg_inf();
+        lse[r] = l > 0.0f ? row_max[fm][sl] * ln_unit + logf(l) : neg_inf();
       }
     }
-  store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, m0 + warp_row0),
+  store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, row0),
                            p.out_strides.row, rows_valid, d, lane,
                            [&](int fm, int sl) { return inv_sum[fm][sl]; });
 }

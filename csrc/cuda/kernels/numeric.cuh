@@ -68,5 +68,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh(x) = 1 - 2 / (e^2x + 1) to about 1e-7 absolute on every arch (sm_70 has no tanh.approx,
+// whose 2^-11 relative error would also move softcapped scores by up to softcap * 2^-11).
+__device__ __forceinline__ float fast_tanh(float x) {
+  return 1.0f - 2.0f * fast_rcp(fast_exp2(x * (2.0f * kLog2e)) + 1.0f);
+}
+
 }  // namespace kern
 }  // namespace flashv100
