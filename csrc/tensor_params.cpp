@@ -68,11 +68,6 @@ void check_gqa_heads(const char* op, int64_t heads_q, int64_t heads_kv) {
               ") must be a multiple of key/value heads (", heads_kv, ")");
 }
 
-void check_dropout_p(const char* op, double dropout_p) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected dropout_p in [0, 1), got ",
-              dropout_p);
-}
-
 // out, grad_out, lse and rng_state of a backward, as the forward returned them.
 void check_saved_forward(const char* op, const at::Tensor& query, at::IntArrayRef out_shape,
                          const at::Tensor& out, const at::Tensor& grad_out,
@@ -135,6 +130,11 @@ int32_t effective_window(int64_t size, int64_t unbounded_from) {
 }
 
 }  // namespace
+
+void check_dropout_p(const char* op, double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected dropout_p in [0, 1), got ",
+              dropout_p);
+}
 
 void check_attention_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
                             const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
@@ -303,7 +303,8 @@ void check_flash_inputs(const char* op, const FlashArgs& args) {
   TORCH_CHECK(args.window_left >= -1 && args.window_right >= -1, op,
               ": expected window_size entries >= -1 (-1: unbounded), got (", args.window_left,
               ", ", args.window_right, ")");
-  TORCH_CHECK(args.softcap >= 0.0, op, ": expected softcap >= 0 (0: off), got ", args.softcap);
+  TORCH_CHECK(args.softcap >= 0.0, op, ": expected softcap >= 0 (0: off), got ",
+              args.softcap);
   if (args.alibi_slopes.has_value()) {
     const at::Tensor& slopes = *args.alibi_slopes;
     TORCH_CHECK(slopes.scalar_type() == at::kFloat, op,

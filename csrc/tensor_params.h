@@ -11,6 +11,9 @@
 
 namespace flashv100 {
 
+// dropout_p of the internal ops: in [0, 1) (the public op also takes 1, see csrc/ops.cpp).
+void check_dropout_p(const char* op, double dropout_p);
+
 // Validates the internal ops' inputs: 4-D query [B, Hq, L, E], key [B, Hkv, S, E], value
 // [B, Hkv, S, Ev], last dim contiguous, one dtype and device, Hq % Hkv == 0, a mask whose dims are
 // each 1 or full size, causal_mode in {0, 1, 2}, dropout_p in [0, 1). `op` names the caller.

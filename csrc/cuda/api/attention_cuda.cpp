@@ -248,8 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_cuda(
 
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                              int64_t len_q, int64_t len_kv, double dropout_p) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
-              "flashv100._dropout_mask: expected dropout_p in [0, 1), got ", dropout_p);
+  check_dropout_p("flashv100._dropout_mask", dropout_p);
   TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong &&
                   rng_state.is_contiguous(),
               "flashv100._dropout_mask: expected rng_state int64[2], got ",

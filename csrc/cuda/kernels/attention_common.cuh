@@ -32,9 +32,12 @@ struct Visibility {
     const int shift = p.causal == CausalMode::kTopLeft ? 0 : len_kv - len_q;
     int right = p.window.right;
     if (p.causal != CausalMode::kNone) right = right < 0 ? 0 : min(right, 0);
-    hi = right < 0 ? len_kv : min(len_kv, shift + min(right, len_kv));
-    lo = p.window.left < 0 ? -len_q - kRowPad
-                           : max(-len_q - kRowPad, shift - min(p.window.left, len_q + kRowPad));
+    // Window sides are clamped where they stop hiding keys (right at len_q: shift + len_q is
+    // len_kv; left at len_kv + kRowPad: below the band's floor), which keeps the sums in int32.
+    hi = right < 0 ? len_kv : min(len_kv, shift + min(right, len_q));
+    lo = p.window.left < 0
+             ? -len_q - kRowPad
+             : max(-len_q - kRowPad, shift - min(p.window.left, len_kv + kRowPad));
   }
 
   __device__ __forceinline__ bool visible(int i, int j) const {
