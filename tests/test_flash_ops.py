@@ -216,3 +216,19 @@ def test_fuzz_against_reference(lengths, heads_kv, group, dim, varlen, causal, l
     grad_out = torch.randn_like(out)
     for n, a, b in zip("qkv", grads(out, (q, k, v), grad_out), grads(ref, (q, k, v), grad_out)):
         assert_close(a, b, f"d{n}")
+
+
+@pytest.mark.parametrize("through", ["op", "function"])
+def test_double_backward_raises(through):
+    # Never a silent zero: a gradient of a gradient raises, through the op's own autograd formula
+    # and through the public functions.
+    args = _forward_args(False, True, dtype=torch.float64)
+    q, k, v = args[:3]
+    if through == "op":
+        out = ops._flash_forward(*args)[0]
+    else:
+        out = fa.flash_attn_func(q, k, v, softmax_scale=0.25, window_size=(5, 2), softcap=1.5,
+                                 alibi_slopes=SLOPES)
+    (g,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward|differentiable"):
+        g.pow(2).sum().backward()

@@ -65,3 +65,15 @@ class FlashAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_rng_state):
         return _backward(ctx, grad_out, grad_lse, grad_rng_state) + (None,)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "flashv100._flash_backward: double backward (gradients of gradients) of the "
+        "FlashAttention-2 ops is not supported; torch_flash_v100.attention (SDPA layout) computes "
+        "it")
+
+
+torch.library.register_autograd(
+    "flashv100::_flash_backward", _no_double_backward,
+    setup_context=lambda ctx, inputs, output: None)
