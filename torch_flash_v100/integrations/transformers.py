@@ -113,12 +113,14 @@ def _mask_pattern(mask_function):
     if len(parts) != 2:
         return None
     first, second = (part.__qualname__ for part in parts)
-    if (first.startswith("sliding_window_overlay.") and parts[1] is mu.causal_mask_function):
+    if first.startswith("sliding_window_overlay.") and parts[1] is mu.causal_mask_function:
         return "sliding", _closure(parts[0]).get("sliding_window")
     if (first.startswith("remap_positions_for_packed_sequence.")
-            and _closure(parts[0]).get("mask_function") is mu.causal_mask_function
             and second.startswith("packed_sequence_mask_function.")):
-        return "packed", _closure(parts[1]).get("packed_sequence_mask")
+        # Each packed sequence is causal, with the layer's window if it has one.
+        remapped = _mask_pattern(_closure(parts[0]).get("mask_function"))
+        if remapped is not None and remapped[0] in ("causal", "sliding"):
+            return "packed", _closure(parts[1]).get("packed_sequence_mask")
     return None
 
 
@@ -230,7 +232,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       cu_seq_lens_q: Optional[torch.Tensor] = None,
                       cu_seq_lens_k: Optional[torch.Tensor] = None,
                       max_length_q: Optional[int] = None, max_length_k: Optional[int] = None,
-                      **kwargs):
+                      position_ids: Optional[torch.Tensor] = None, **kwargs):
     """The ``AttentionInterface`` function: query [B, Hq, Sq, D], key/value [B, Hkv, Sk, D] (as
     transformers passes them) -> ``(attn_output [B, Sq, Hq, D], None)``.
 
@@ -270,6 +272,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _varlen(query, key, value, cu, cu, longest, longest, dict(flash_kwargs, causal=causal))
     elif attention_mask is not None:
         out = _padded_varlen(query, key, value, attention_mask, causal, flash_kwargs)
+    elif (packed := _packed_from_position_ids(position_ids, query, key)) is not None:
+        (cu, longest) = packed
+        out = _varlen(query, key, value, cu, cu, longest, longest, dict(flash_kwargs, causal=causal))
     else:
         out = flash_attn_func(query, key, value, causal=causal, **flash_kwargs)
     return out, None
+
+
+def _packed_from_position_ids(position_ids, query, key):
+    """(cu_seqlens, longest) when a batch of one row holds several sequences (position_ids not
+    increasing by one), else None. The mask function sees packing only without a cache; a
+    forward with use_cache=True (the default outside training) finds it here, at the price of
+    one device sync per layer, for single-row batches only (as transformers' flash backends)."""
+    if (position_ids is None or query.shape[0] != 1 or query.shape[1] == 1
+            or query.shape[1] != key.shape[1] or position_ids.shape[-1] != query.shape[1]):
+        return None
+    positions = position_ids.reshape(1, -1)
+    starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return _packed_cu_seqlens(starts.cumsum(-1))
