@@ -71,11 +71,11 @@ def register(name: str = DEFAULT_NAME) -> str:
     lowered = name.lower()
     reserved = [word for word in _RESERVED if word in lowered]
     if reserved or name == "eager" or any(char in name for char in "/:|"):
+        word = reserved[0] if reserved else "eager, /, : or |"
         raise ValueError(
-            f"name: {name!r} cannot be used: transformers gives names containing "
-            f"{reserved[0] if reserved else 'eager, /, : or |'!r} a meaning of their own (a flash-attention "
-            "package or Hub kernel, another backend's checks, a kernel repository); pick another, "
-            f"e.g. the default {DEFAULT_NAME!r}")
+            f"name: {name!r} cannot be used: transformers gives names containing {word!r} a "
+            "meaning of their own (a flash-attention package or Hub kernel, another backend's "
+            f"checks, a kernel repository); pick another, e.g. the default {DEFAULT_NAME!r}")
     parameters = inspect.signature(sdpa_mask).parameters
     if "q_length" not in parameters or "q_offset" not in parameters:
         import transformers
@@ -264,20 +264,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                         softcap=float(softcap or 0.0))
 
     if all(arg is not None for arg in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
-        out = _varlen(query, key, value, cu_seq_lens_q.to(torch.int32),
-                      cu_seq_lens_k.to(torch.int32), int(max_length_q), int(max_length_k),
-                      dict(flash_kwargs, causal=causal))
+        packed = (cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_length_q),
+                  int(max_length_k))
     elif attention_mask is not None and attention_mask.dtype != torch.bool:
         cu, longest = _packed_cu_seqlens(attention_mask)
-        out = _varlen(query, key, value, cu, cu, longest, longest, dict(flash_kwargs, causal=causal))
+        packed = (cu, cu, longest, longest)
     elif attention_mask is not None:
-        out = _padded_varlen(query, key, value, attention_mask, causal, flash_kwargs)
-    elif (packed := _packed_from_position_ids(position_ids, query, key)) is not None:
-        (cu, longest) = packed
-        out = _varlen(query, key, value, cu, cu, longest, longest, dict(flash_kwargs, causal=causal))
+        return _padded_varlen(query, key, value, attention_mask, causal, flash_kwargs), None
+    elif (found := _packed_from_position_ids(position_ids, query, key)) is not None:
+        cu, longest = found
+        packed = (cu, cu, longest, longest)
     else:
-        out = flash_attn_func(query, key, value, causal=causal, **flash_kwargs)
-    return out, None
+        return flash_attn_func(query, key, value, causal=causal, **flash_kwargs), None
+    return _varlen(query, key, value, *packed, dict(flash_kwargs, causal=causal)), None
 
 
 def _packed_from_position_ids(position_ids, query, key):
