@@ -49,8 +49,9 @@ __all__ = ["register", "attention_forward", "attention_mask", "DEFAULT_NAME"]
 
 # transformers treats every implementation name containing "flash" as a flash-attention request:
 # it then loads a flash-attention package or a Hub kernel for it
-# (`is_flash_attention_requested` -> `lazy_import_flash_attention`), which fails for our
-# function, and generate() and the mask code take flash-specific paths. Names containing "sdpa"
+# (`is_flash_attention_requested` -> `lazy_import_flash_attention`), which fails for our function
+# ("Could not find the currently requested flash attention implementation"), and generate() and
+# the mask code take flash-specific paths. Names containing "sdpa"
 # or "flex_attention" get those backends' dispatch checks, and "org/name" is read as a Hub kernel.
 DEFAULT_NAME = "fused_v100"
 _RESERVED = ("flash", "sdpa", "flex_attention")
