@@ -202,7 +202,9 @@ def test_packed_training_gradients_match_eager(device):
 def test_greedy_generate_matches_eager(name, config, cache, device):
     model = _model(AutoModelForCausalLM, config, device)
     ids, mask = _padded_batch("left", device)
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    # min_new_tokens: no row stops early at an end-of-sequence token, every step decodes
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                  cache_implementation=cache)
     if cache == "static":
         kwargs["max_length"] = kwargs.pop("max_new_tokens") + LENGTH
     tokens = {}
@@ -220,7 +222,8 @@ def test_bart_generate_matches_eager(device):
     for implementation in ("eager", NAME):
         model.set_attn_implementation(implementation)
         tokens[implementation] = model.generate(input_ids=ids, attention_mask=mask,
-                                                max_new_tokens=6, do_sample=False)
+                                                max_new_tokens=6, min_new_tokens=6,
+                                                do_sample=False)
     assert torch.equal(tokens[NAME], tokens["eager"])
 
 
@@ -300,3 +303,42 @@ def test_every_layer_runs_the_kernels(mode, monkeypatch):
         # the prefill, then one decode step over the first 12 of the 13 cache slots
         assert calls == [("flash_attn_varlen_func", (LENGTH + 6, 2, 8))] * 2 + [
             ("flash_attn_varlen_func", (LENGTH + 1 + 7, 2, 8))] * 2
+
+
+# fp16 on CUDA (the fused kernels; fp32 on CUDA runs the ATen fallback): head dim 64.
+CUDA_TINY = dict(TINY, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+CUDA_DECODERS = [
+    ("llama", LlamaConfig(**CUDA_TINY)),
+    ("mistral", MistralConfig(**CUDA_TINY, sliding_window=4)),
+    ("gemma2", Gemma2Config(**CUDA_TINY, head_dim=64, sliding_window=4,
+                            attn_logit_softcapping=0.5, query_pre_attn_scalar=48)),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name,config", CUDA_DECODERS, ids=[d[0] for d in CUDA_DECODERS])
+def test_cuda_fp16_matches_eager_fp32(name, config):
+    model = _model(AutoModelForCausalLM, config, "cuda")
+    ids, mask = _padded_batch("left", "cuda")
+    keep = mask.bool()
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        reference = model(input_ids=ids, attention_mask=mask).logits[keep]
+        model.half()
+        eager_half = model(input_ids=ids, attention_mask=mask).logits[keep].float()
+        model.set_attn_implementation(NAME)
+        ours = model(input_ids=ids, attention_mask=mask).logits[keep].float()
+    # no further from the fp32 result than eager attention in fp16, up to fp16 rounding
+    assert (ours - reference).abs().max() <= 2 * (eager_half - reference).abs().max() + 2e-3
+
+    generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                               min_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.float().set_attn_implementation("eager")
+    with torch.no_grad():
+        full_mask = torch.cat([mask, torch.ones_like(mask[:, :6])], dim=1)
+        logits = model(input_ids=generated, attention_mask=full_mask).logits[:, LENGTH - 1:-1]
+    logits[..., model.generation_config.eos_token_id] = float("-inf")  # min_new_tokens hides it
+    chosen = logits.gather(-1, generated[:, LENGTH:, None]).squeeze(-1)
+    # each generated token is the fp32 argmax, up to fp16-sized near ties
+    assert (logits.max(dim=-1).values - chosen).max() <= 1e-2
