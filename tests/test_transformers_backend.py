@@ -89,13 +89,24 @@ def test_decoder_without_padding_has_no_mask(device):
     _assert_same(model, torch.ones(2, LENGTH, VOCAB, device=device), keep, input_ids=ids)
 
 
-def test_sliding_window_with_holes_in_the_mask_uses_the_dense_fallback(device):
-    # A window counts positions: with a hole inside a row the varlen path would count tokens.
-    model = _model(AutoModelForCausalLM, DECODERS[1][1], device)
+@pytest.mark.parametrize("name,config", DECODERS[:2], ids=[d[0] for d in DECODERS[:2]])
+def test_padding_with_holes_matches_eager(name, config, device):
+    # Causal attention over the unpadded tokens keeps each query's rank among the real keys;
+    # a window counts positions, so with a hole inside a row Mistral takes the dense fallback.
+    model = _model(AutoModelForCausalLM, config, device)
     ids, mask = _padded_batch("right", device)
     mask[0, 3:5] = 0
     weights = torch.randn(2, LENGTH, VOCAB, generator=torch.Generator().manual_seed(2)).to(device)
     _assert_same(model, weights, mask.bool(), input_ids=ids, attention_mask=mask)
+
+
+def test_softcap_with_a_general_mask_raises(device):
+    model = _model(AutoModelForCausalLM, DECODERS[3][1], device)
+    model.set_attn_implementation(NAME)
+    ids, mask = _padded_batch("right", device)
+    mask[0, 3:5] = 0  # a hole under a sliding window: only the dense fallback is exact
+    with pytest.raises(NotImplementedError, match="softcap"):
+        model(input_ids=ids, attention_mask=mask)
 
 
 def test_custom_4d_mask_matches_eager(device):

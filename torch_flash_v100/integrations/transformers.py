@@ -244,7 +244,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError(
             "s_aux: attention sinks are not supported by the flashv100 backend yet; load the "
             "model with attn_implementation='eager' or 'sdpa'")
-    causal = bool(module.is_causal if is_causal is None else is_causal)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     dropout = float(dropout)
     if attention_mask is not None and attention_mask.dim() == 4:
         if softcap:
