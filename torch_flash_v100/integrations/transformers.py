@@ -30,9 +30,14 @@ Decoding with ``DynamicCache`` / ``StaticCache`` runs single-token steps on the 
 (the key/value cache is one long key sequence); there is no split-KV decode kernel yet, so a
 decode step is one query row per (batch, head) spread over the key blocks of one program.
 
-Requires a transformers with ``AttentionInterface`` and ``AttentionMaskInterface`` whose mask
-functions take ``q_length`` / ``q_offset`` (the 5.x signature; ``register`` raises otherwise);
-tested with transformers 5.24.
+Versions: transformers has ``AttentionInterface`` since 4.48 and ``AttentionMaskInterface``
+since 4.53; this backend needs the mask functions of transformers 5, which take ``q_length`` /
+``q_offset`` (``register`` raises ``ImportError`` otherwise), and is tested with 5.24. It reads
+the structure of transformers' mask functions (``masking_utils``) to tell padding-only masks
+from general ones; a structure it does not know takes the exact dense fallback.
+
+Padding and packing cost a few host syncs per layer (the varlen lengths), as in transformers'
+flash backends: these paths do not run under ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
