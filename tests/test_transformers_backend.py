@@ -144,6 +144,25 @@ def test_bert_encoder_matches_eager_with_padding(side, device):
         torch.testing.assert_close(out_grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_modernbert_local_attention_matches_eager(padded, device):
+    # Bidirectional sliding windows run the dense fallback (exact, not the varlen path).
+    config = transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, local_attention=4, global_attn_every_n_layers=2,
+        max_position_embeddings=64, pad_token_id=0)
+    model = _model(AutoModel, config, device)
+    ids, mask = _padded_batch("right", device)
+    mask = mask if padded else torch.ones_like(mask)
+    hidden = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            hidden[implementation] = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    torch.testing.assert_close(hidden[NAME][keep], hidden["eager"][keep], atol=2e-5, rtol=1e-4)
+
+
 BART = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                   decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
