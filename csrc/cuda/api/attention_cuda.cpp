@@ -94,10 +94,31 @@ void check_flash_fused(const char* op, MmaAtom atom, const FlashArgs& args,
               "16-byte aligned rows are supported");
 }
 
-// Contiguous copies of the small index/slope tensors the kernels address with unit strides.
 std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
 }
+
+// The FlashAttention-2 ops' arguments, with contiguous copies of the small index/slope tensors
+// the kernels address with unit strides (`args` refers to the copies: not copyable).
+struct ContiguousFlashArgs {
+  const std::optional<at::Tensor> cu_q, cu_k, slopes;
+  const FlashArgs args;
+
+  ContiguousFlashArgs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const std::optional<at::Tensor>& cu_seqlens_q,
+                      const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                      int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+                      int64_t window_left, int64_t window_right, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes)
+      : cu_q(contiguous_or_none(cu_seqlens_q)),
+        cu_k(contiguous_or_none(cu_seqlens_k)),
+        slopes(contiguous_or_none(alibi_slopes)),
+        args{query,         key,         value,        cu_q,          cu_k,
+             max_seqlen_q,  max_seqlen_k, dropout_p,   softmax_scale, causal,
+             window_left,   window_right, softcap,     slopes} {}
+  ContiguousFlashArgs(const ContiguousFlashArgs&) = delete;
+  ContiguousFlashArgs& operator=(const ContiguousFlashArgs&) = delete;
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -177,12 +198,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_cuda(
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes) {
   constexpr const char* op = "flashv100._flash_forward";
-  const std::optional<at::Tensor> cu_q = contiguous_or_none(cu_seqlens_q),
-                                  cu_k = contiguous_or_none(cu_seqlens_k),
-                                  slopes = contiguous_or_none(alibi_slopes);
-  const FlashArgs args{query,         key,    value,       cu_q,         cu_k,
-                       max_seqlen_q,  max_seqlen_k, dropout_p, softmax_scale, causal,
-                       window_left,   window_right, softcap,   slopes};
+  const ContiguousFlashArgs inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                                   window_right, softcap, alibi_slopes);
+  const FlashArgs& args = inputs.args;
   check_flash_inputs(op, args);
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty_like(query);
@@ -213,12 +232,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_cuda(
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     bool deterministic) {
   constexpr const char* op = "flashv100._flash_backward";
-  const std::optional<at::Tensor> cu_q = contiguous_or_none(cu_seqlens_q),
-                                  cu_k = contiguous_or_none(cu_seqlens_k),
-                                  slopes = contiguous_or_none(alibi_slopes);
-  const FlashArgs args{query,         key,    value,       cu_q,         cu_k,
-                       max_seqlen_q,  max_seqlen_k, dropout_p, softmax_scale, causal,
-                       window_left,   window_right, softcap,   slopes};
+  const ContiguousFlashArgs inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                                   window_right, softcap, alibi_slopes);
+  const FlashArgs& args = inputs.args;
   check_flash_inputs(op, args);
   check_flash_backward_inputs(op, args, grad_out, out, softmax_lse, rng_state);
   TORCH_CHECK(rng_state.device() == query.device(), op, ": expected rng_state on ",
