@@ -28,13 +28,22 @@ def test_compiled_equals_eager(dynamic, device):
 
 
 def test_compiled_graph_calls_the_fused_ops(device):
-    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
 
-    backend = AotEagerAndRecordGraphs()
+    codes = {"forward": [], "backward": []}
+
+    def recording(kind):
+        def compiler(gm, example_inputs):
+            codes[kind].append(gm.code)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=recording("forward"), bw_compiler=recording("backward"))
     q, k, v = make_qkv(1, 2, 2, 8, 8, 16, torch.float32, device, requires_grad=True)
     out = torch.compile(_attention_block, backend=backend, fullgraph=True)(q, k, v, None)
     out.sum().backward()
-    forward_code = backend.fw_graphs[0].code
-    backward_code = backend.bw_graphs[0].code
+    (forward_code,) = codes["forward"]
+    (backward_code,) = codes["backward"]
     assert "flashv100._attention_forward" in forward_code
     assert "flashv100._attention_backward" in backward_code

@@ -1,7 +1,8 @@
 """Shared helpers for the torch.compile pass tests (CPU, force=True).
 
-``check(fn, args, train=...)`` compiles ``fn`` with a backend that runs the flashv100 rewrite and
-then AOTAutograd with graph-capturing compilers (cheap: no Inductor codegen), and asserts:
+``check(fn, args, train=...)`` compiles ``fn`` with ``torch_flash_v100.backend(force=True)`` over
+AOTAutograd set up as the "aot_eager" backend (and Inductor) set it up, with graph-capturing
+compilers (cheap: no Inductor codegen), and asserts:
 the counter, the fused op in the forward graph (and its backward op in the backward graph, with
 no unfused softmax left), and eager-vs-compiled equality of outputs and gradients.
 """
@@ -12,20 +13,22 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
-import torch_flash_v100  # noqa: F401
-from torch_flash_v100.compile import history, rewrite_module
+import torch_flash_v100
+from torch_flash_v100.compile import history
 
 try:
-    from functorch.compile import make_boxed_func
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 except ImportError:  # pragma: no cover
     from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 ATTN = torch.ops.flashv100.attention.default
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Capture:
-    """A torch.compile backend: flashv100 rewrite (force) -> AOTAutograd, keeping the graphs."""
+    """A torch.compile backend: ``torch_flash_v100.backend(force)`` -> AOTAutograd, keeping the
+    graphs (Dynamo's after the rewrite, AOTAutograd's forward and backward)."""
 
     def __init__(self, force: bool = True):
         self.force = force
@@ -42,14 +45,17 @@ class Capture:
             self.bw.append(gm)
             return make_boxed_func(gm.forward)
 
-        aot = aot_autograd(fw_compiler=fw, bw_compiler=bw)
+        # aot_eager's settings; Inductor partitions with min-cut too (the default partitioner is
+        # not what users run, and some torch versions fail on dynamic shapes in it)
+        aot = aot_autograd(fw_compiler=fw, bw_compiler=bw,
+                           partition_fn=min_cut_rematerialization_partition,
+                           keep_inference_input_mutations=True)
 
-        def be(gm, example_inputs):
-            rewrite_module(gm, force=self.force)
+        def keep_rewritten(gm, example_inputs):
             self.dynamo.extend(m for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
             return aot(gm, example_inputs)
 
-        return be
+        return torch_flash_v100.backend(force=self.force, compiler=keep_rewritten)
 
     def attention_calls(self) -> list[dict]:
         """The flashv100.attention calls in the rewritten Dynamo graphs, arguments by name."""

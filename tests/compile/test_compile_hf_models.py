@@ -7,7 +7,13 @@ import torch
 
 from compile_testing import Capture, reset
 
-T = pytest.importorskip("transformers")
+# The expectations follow transformers 5's model code (4.x builds some masks differently).
+T = pytest.importorskip("transformers", minversion="5")
+# transformers 5 disables its models below torch 2.6; on torch 2.6, compiling them with a padding
+# mask fails inside Dynamo with any backend (transformers 5.24: NameError in output_capturing.py).
+if not T.utils.is_torch_available() or torch.__version__ < "2.7":
+    pytest.skip(f"transformers {T.__version__} models do not compile on torch {torch.__version__}",
+                allow_module_level=True)
 
 from torch._dynamo.utils import counters  # noqa: E402
 

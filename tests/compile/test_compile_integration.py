@@ -3,6 +3,7 @@ backend, device gating, composition with user passes, dynamic shapes, the FX gra
 
 import contextlib
 import logging
+import math
 
 import pytest
 import torch
@@ -152,6 +153,36 @@ def test_dynamic_shapes_inductor(enabled):
             torch.testing.assert_close(compiled(q, k, v, keep), attn(q, k, v, keep),
                                        atol=2e-5, rtol=1e-4)
     assert counters["flashv100"]["fused_attention"] == 1  # one graph for both lengths
+
+
+def attn_head_dim_scale(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # symbolic when dynamic
+    s = s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_dynamic_shapes_training(compiler):
+    # the user-facing backend, as users train with it: one graph for both shapes, gradients
+    # equal to eager
+    reset()
+    with fresh_cache():
+        be = torch_flash_v100.backend(force=True, compiler=compiler)
+        compiled = torch.compile(attn_head_dim_scale, backend=be, dynamic=True)
+        for L, E in ((8, 16), (12, 8)):
+            q, k, v = (t.requires_grad_() for t in qkv(l=L, e=E))
+            keep = torch.ones(2, L, dtype=torch.bool, device=DEVICE)
+            keep[1, -3:] = False
+            out = compiled(q, k, v, keep)
+            q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            ref = attn_head_dim_scale(q2, k2, v2, keep)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+            grad_out = torch.randn_like(ref)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+            ref_grads = torch.autograd.grad(ref, (q2, k2, v2), grad_out)
+            for a, b in zip(grads, ref_grads):
+                torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3)
+    assert counters["flashv100"]["fused_attention"] == 1
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="device gating is checked on CPU")

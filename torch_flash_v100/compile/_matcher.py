@@ -26,6 +26,7 @@ import re
 from typing import Any, Optional
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx import Graph, Node
 
 from ._masks import MaskFacts, causal_bound, is_neg
@@ -108,7 +109,9 @@ class _Emitter:
                 break
         try:
             if mode is not None:
-                with mode:
+                # as Dynamo computes fake values: with symbolic shapes some ops need the Python
+                # dispatcher's meta kernels (torch 2.8's C++ one for view takes concrete sizes only)
+                with mode, enable_python_dispatcher():
                     v = target(*fargs, **fkwargs)
             else:
                 v = target(*fargs, **fkwargs)
