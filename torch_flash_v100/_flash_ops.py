@@ -29,8 +29,9 @@ def _backward(ctx, grad_out, _grad_lse, _grad_rng_state):
      alibi_slopes) = ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
      softcap) = ctx.options
-    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum()
-        grad_out = grad_out.contiguous()
+    # The kernels read rows of grad_out (the expanded gradient of out.sum() has stride 0). No
+    # stride test: Dynamo traces this backward (the FA2 functions) and older ones refuse strides.
+    grad_out = grad_out.contiguous()
     deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
     grad_query, grad_key, grad_value = _lib_ops._flash_backward(
         grad_out, query, key, value, out, softmax_lse, rng_state, cu_seqlens_q, cu_seqlens_k,
