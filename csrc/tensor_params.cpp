@@ -124,6 +124,13 @@ TensorStrides flash_strides_of(const at::Tensor& t, bool varlen) {
                 : TensorStrides{t.stride(0), t.stride(2), t.stride(1)};
 }
 
+// softmax_lse's shape: [B, Hq, Sq] from query [B, Sq, Hq, D], [Hq, total_q] from [total_q, Hq, D].
+std::vector<int64_t> flash_lse_shape(const FlashArgs& args) {
+  const at::Tensor& q = args.query;
+  if (args.varlen()) return {q.size(1), q.size(0)};
+  return {q.size(0), q.size(2), q.size(1)};
+}
+
 // A window side that cannot hide any key of any row is unbounded (-1).
 int32_t effective_window(int64_t size, int64_t unbounded_from) {
   return size < 0 || size >= unbounded_from ? -1 : static_cast<int32_t>(size);
@@ -324,22 +331,12 @@ void check_flash_inputs(const char* op, const FlashArgs& args) {
 void check_flash_backward_inputs(const char* op, const FlashArgs& args, const at::Tensor& grad_out,
                                  const at::Tensor& out, const at::Tensor& softmax_lse,
                                  const at::Tensor& rng_state) {
-  const at::Tensor& query = args.query;
-  std::vector<int64_t> lse_shape;
-  if (args.varlen()) {
-    lse_shape = {query.size(1), query.size(0)};
-  } else {
-    lse_shape = {query.size(0), query.size(2), query.size(1)};
-  }
-  check_saved_forward(op, query, query.sizes(), out, grad_out, lse_shape, softmax_lse, rng_state,
-                      "_flash_forward");
+  check_saved_forward(op, args.query, args.query.sizes(), out, grad_out, flash_lse_shape(args),
+                      softmax_lse, rng_state, "_flash_forward");
 }
 
 at::Tensor allocate_flash_lse(const FlashArgs& args) {
-  const at::Tensor& q = args.query;
-  const auto options = q.options().dtype(lse_dtype_of(q));
-  if (args.varlen()) return at::empty({q.size(1), q.size(0)}, options);
-  return at::empty({q.size(0), q.size(2), q.size(1)}, options);
+  return at::empty(flash_lse_shape(args), args.query.options().dtype(lse_dtype_of(args.query)));
 }
 
 ForwardParams make_flash_forward_params(const FlashArgs& args, const at::Tensor& out,

@@ -52,10 +52,8 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
                     span.q_start + row_end, dim, q.data());
 
   const KeyRange keys = visible_keys(p, span, row_begin, row_end);
-  for (int64_t col_begin = keys.begin / kBlockKV * kBlockKV; col_begin < keys.end;
-       col_begin += kBlockKV) {
-    const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin,
-                 std::min(col_begin + kBlockKV, keys.end)};
+  for_each_key_block(keys, [&](int64_t col_begin, int64_t col_end) {
+    const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
     load_rows<Scalar>(p.k, p.k_strides, batch, head_kv, span.k_start + t.col_begin,
                       span.k_start + t.col_end, dim, k.data());
     load_rows<Scalar>(p.v, p.v_strides, batch, head_kv, span.k_start + t.col_begin,
@@ -84,7 +82,7 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
       }
       row_max[r] = new_max;
     }
-  }
+  });
 
   Scalar* out = static_cast<Scalar*>(p.out) + batch * p.out_strides.batch +
                 head_q * p.out_strides.head;
@@ -143,15 +141,13 @@ std::vector<Acc> saturated_row_norms(const ForwardParams& f, const Acc* lse, int
                             span.q_start + row + 1, dim, q.data());
           Acc sum = 0;
           const KeyRange keys = visible_keys(f, span, row);
-          for (int64_t col_begin = keys.begin / kBlockKV * kBlockKV; col_begin < keys.end;
-               col_begin += kBlockKV) {
-            const Tile t{batch, head_q, head_kv, row, row + 1, col_begin,
-                         std::min(col_begin + kBlockKV, keys.end)};
+          for_each_key_block(keys, [&](int64_t col_begin, int64_t col_end) {
+            const Tile t{batch, head_q, head_kv, row, row + 1, col_begin, col_end};
             load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, span.k_start + t.col_begin,
                               span.k_start + t.col_end, dim, k.data());
             tile_scores(f, span, t, q.data(), k.data(), scores.data());
             for (int64_t c = 0; c < t.cols(); ++c) sum += std::exp(scores[c] - l);
-          }
+          });
           norm[offset + row] = Acc(1) / sum;
         }
       });
@@ -292,9 +288,7 @@ void backward_query_block(const BackwardParams& p, const RowVectors<Acc>& vec, i
   load_row_tile<Scalar>(p, vec, span, batch, head_q, row_begin, row_end, rows);
   const Acc scale = static_cast<Acc>(f.scale);
   const KeyRange keys = visible_keys(f, span, row_begin, row_end);
-  for (int64_t col_begin = keys.begin / kBlockKV * kBlockKV; col_begin < keys.end;
-       col_begin += kBlockKV) {
-    const int64_t col_end = std::min(col_begin + kBlockKV, keys.end);
+  for_each_key_block(keys, [&](int64_t col_begin, int64_t col_end) {
     load_rows<Scalar>(f.k, f.k_strides, batch, head_kv, span.k_start + col_begin,
                       span.k_start + col_end, dim, k.data());
     load_rows<Scalar>(f.v, f.v_strides, batch, head_kv, span.k_start + col_begin,
@@ -305,7 +299,7 @@ void backward_query_block(const BackwardParams& p, const RowVectors<Acc>& vec, i
                             const Acc* k_row = k.data() + c * dim;
                             for (int64_t e = 0; e < dim; ++e) dq[r * dim + e] += scale * draw * k_row[e];
                           });
-  }
+  });
   store_rows<Scalar>(p.dq, p.dq_strides, batch, head_q, span.q_start + row_begin,
                      span.q_start + row_end, dim, dq.data());
 }

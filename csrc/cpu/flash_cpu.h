@@ -54,6 +54,14 @@ inline KeyRange visible_keys(const ForwardParams& p, const SequenceSpan& s, int6
   return KeyRange{std::min(begin, end), end};
 }
 
+// f(col_begin, col_end) for the blocks of kBlockKV keys that cover `keys`: aligned to multiples of
+// kBlockKV (a window changes which blocks run, not where they start), the last cut at keys.end.
+template <typename F>
+void for_each_key_block(const KeyRange& keys, F&& f) {
+  for (int64_t begin = keys.begin / kBlockKV * kBlockKV; begin < keys.end; begin += kBlockKV)
+    f(begin, std::min(begin + kBlockKV, keys.end));
+}
+
 // The keys any row of [row_begin, row_end) can see (a superset where rows' ranges have gaps).
 inline KeyRange visible_keys(const ForwardParams& p, const SequenceSpan& s, int64_t row_begin,
                              int64_t row_end) {
