@@ -38,6 +38,12 @@ DECODERS = [
 LENGTH = 11
 
 
+@pytest.fixture
+def device():
+    """fp32 against eager runs on CPU; CUDA (fp16 / bf16 only) has its own tests below."""
+    return "cpu"
+
+
 def _model(factory, config, device):
     torch.manual_seed(0)
     return factory.from_config(config, attn_implementation="eager").to(device).eval()
@@ -335,7 +341,7 @@ def test_every_layer_runs_the_kernels(mode, monkeypatch):
             ("flash_attn_varlen_func", (LENGTH + 1 + 7, 2, 8))] * 2
 
 
-# fp16 on CUDA (the fused kernels; fp32 on CUDA runs the ATen fallback): head dim 64.
+# fp16 on CUDA (the fused kernels take fp16 / bf16 only): head dim 64.
 CUDA_TINY = dict(TINY, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
 CUDA_DECODERS = [
     ("llama", LlamaConfig(**CUDA_TINY)),
@@ -372,3 +378,13 @@ def test_cuda_fp16_matches_eager_fp32(name, config):
     chosen = logits.gather(-1, generated[:, LENGTH:, None]).squeeze(-1)
     # each generated token is the fp32 argmax, up to fp16-sized near ties
     assert (logits.max(dim=-1).values - chosen).max() <= 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp32_raises_clearly():
+    model = _model(AutoModelForCausalLM, CUDA_DECODERS[0][1], "cuda")
+    ids, mask = _padded_batch("left", "cuda")
+    model.set_attn_implementation(NAME)
+    with torch.no_grad(), pytest.raises(TypeError, match="fp16 / bf16 on CUDA"):
+        model(input_ids=ids, attention_mask=mask)

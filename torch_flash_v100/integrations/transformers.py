@@ -18,6 +18,7 @@ its ``AttentionMaskInterface``; every attention layer of a model loaded (or swit
   call over the packed tokens;
 - ``sliding_window`` becomes ``window_size``, ``softcap`` the fused softcap, ``scaling`` the
   softmax scale, ``dropout`` the fused dropout; GQA / MQA by head counts;
+- on CUDA, fp16 and bf16 (FlashAttention-2's rule; fp32 raises ``TypeError``);
 - any other mask (custom 4D masks, image-token overlays, ...) falls back to
   ``torch_flash_v100.attention`` with that mask as a dense boolean / additive mask, so it is
   still exact.
@@ -260,6 +261,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2), None
 
+    if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
+        # FlashAttention-2's rule: its kernels (and ours) take fp16 and bf16 only.
+        raise TypeError(
+            f"the flashv100 backend runs fp16 / bf16 on CUDA, got {query.dtype} queries: load the "
+            "model with dtype=torch.float16 (or bfloat16 on sm_80+), or use "
+            "attn_implementation='sdpa' for fp32")
     query, key, value = (tensor.transpose(1, 2) for tensor in (query, key, value))
     window = (-1, -1)
     if sliding_window is not None:
