@@ -30,7 +30,7 @@ def has_compile():
 def test_help():
     r = run_cli("--help")
     assert r.returncode == 0, r.stderr
-    for cmd in ("demo", "bench", "info", "explain", "e2e"):
+    for cmd in ("demo", "bench", "info", "explain", "e2e", "hf"):
         assert cmd in r.stdout
     r = run_cli("bench", "--help")
     assert r.returncode == 0 and "--suite" in r.stdout and "--json" in r.stdout and "--plot" in r.stdout
@@ -117,7 +117,9 @@ sys.exit(rc or bool(found))
      "--repetitions", "1", "--no-progress"],
     ["e2e", "--device", "cpu", "--modes", "eager", "--layers", "1", "--d-model", "32",
      "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2", "--check-steps", "1"],
-], ids=["bench", "e2e"])
+    ["hf", "--device", "cpu", "--models", "tiny", "--implementations", "flashv100,eager",
+     "--layouts", "packed", "--steps", "1", "--warmup", "0", "--new-tokens", "2", "--gen-reps", "1"],
+], ids=["bench", "e2e", "hf"])
 def test_cli_imports_nothing_from_the_benchmarks_folder(args, tmp_path):
     """bench and e2e must work from a wheel, which has no benchmarks/ folder (scripts/wheel_smoke.sh
     runs them from one in CI)."""
@@ -135,3 +137,21 @@ def test_package_never_edits_sys_path():
                  if "sys.path" in f.read_text() or "import benchmarks" in f.read_text()
                  or "from benchmarks" in f.read_text()]
     assert offenders == []
+
+
+def test_hf_benchmark_rows(tmp_path):
+    """Every (model, layout, implementation) row is measured, and in fp32 on CPU greedy generation
+    with our backend picks the same tokens as eager attention."""
+    pytest.importorskip("transformers")
+    js = tmp_path / "hf.json"
+    r = run_cli("hf", "--device", "cpu", "--models", "tiny", "--steps", "1", "--warmup", "0",
+                "--batch", "2", "--seq", "24", "--new-tokens", "3", "--gen-reps", "1",
+                "--json", str(js))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(js.read_text())
+    assert {(t["layout"], t["implementation"]) for t in doc["train"]} == {
+        (layout, impl) for layout in ("padded", "packed") for impl in ("flashv100", "sdpa", "eager")}
+    assert all(t["tokens_per_s"] > 0 for t in doc["train"])
+    tokens = {g["implementation"]: g["tokens"] for g in doc["generate"]}
+    assert tokens["flashv100"] == tokens["eager"] == tokens["sdpa"]
+    assert "| tiny | packed | flashv100 |" in r.stdout

@@ -35,6 +35,7 @@ examples:
   python -m torch_flash_v100 bench --suite seed --device cuda \\
       --json benchmarks/results/seed.json --plot benchmarks/results/seed.png
   python -m torch_flash_v100 e2e --steps 5        # small GPT: eager vs torch.compile vs the pass
+  python -m torch_flash_v100 hf --models tiny     # transformers Llama: our backend vs sdpa vs eager
 """
 
 COMPILE_LOGGER = "torch_flash_v100.compile"
@@ -735,6 +736,12 @@ def cmd_e2e(args) -> int:
     return e2e_gpt.main(args.rest, prog="python -m torch_flash_v100 e2e")
 
 
+def cmd_hf(args) -> int:
+    from .bench import e2e_hf
+
+    return e2e_hf.main(args.rest, prog="python -m torch_flash_v100 hf")
+
+
 # ------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -781,6 +788,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(try: e2e --help).", add_help=False)
     e.add_argument("rest", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_e2e)
+
+    h = sub.add_parser("hf", help="transformers Llama-style model: flashv100 backend vs sdpa vs eager",
+                       description="Runs torch_flash_v100.bench.e2e_hf (training tokens/s, padded and "
+                                   "packed; generate tokens/s); arguments are passed on (try: hf --help).",
+                       add_help=False)
+    h.add_argument("rest", nargs=argparse.REMAINDER)
+    h.set_defaults(func=cmd_hf)
     return p
 
 
@@ -799,6 +813,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "e2e":  # everything after `e2e` belongs to bench.e2e_gpt
         return int(cmd_e2e(argparse.Namespace(rest=argv[1:])) or 0)
+    if argv and argv[0] == "hf":  # everything after `hf` belongs to bench.e2e_hf
+        return int(cmd_hf(argparse.Namespace(rest=argv[1:])) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
