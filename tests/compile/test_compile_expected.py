@@ -85,8 +85,18 @@ le = j <= i;  j = i = None
 getitem_4 = l_keep_[(slice(None, None, None), None, None, slice(None, None, None))];  l_keep_ = None
 m = le & getitem_4;  le = getitem_4 = None
 where = torch.where(m, 0.0, -3.4028234663852886e+38);  m = None
-attention_default = torch.ops.flashv100.attention.default(l_q_, l_k_, l_v_, where, 0.0, True, scale = 0.25, enable_gqa = True);  l_q_ = l_k_ = l_v_ = where = None
-return (attention_default,)""")
+attention_default = torch.ops.flashv100.attention.default(l_q_, l_k_, l_v_, where, 0.0, True, scale = 0.25, enable_gqa = True);  l_q_ = l_k_ = None
+amax = torch.amax(where, -1, True)
+amin = torch.amin(where, -1, True);  where = None
+eq = torch.eq(amin, amax);  amin = None
+le_1 = torch.le(amax, -1.7014117331926443e+38)
+logical_and = torch.logical_and(eq, le_1);  eq = le_1 = None
+isfinite = torch.isfinite(amax);  amax = None
+logical_and_1 = torch.logical_and(logical_and, isfinite);  logical_and = isfinite = None
+mean = torch.mean(l_v_, -2, True);  l_v_ = None
+repeat_interleave = torch.repeat_interleave(mean, 2, -3);  mean = None
+where_1 = torch.where(logical_and_1, repeat_interleave, attention_default);  logical_and_1 = repeat_interleave = attention_default = None
+return (where_1,)""")
 
     def test_einsum_blhd(self):
         self.assertExpectedInline(_code(einsum_blhd, *qkv(layout="blhd")), """\

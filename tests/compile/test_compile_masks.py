@@ -120,3 +120,18 @@ def test_cached_mask_slice(train):
 def test_additive_and_bool(train):
     m = no_grad_input(torch.randn(1, 1, L, S, device=DEVICE))
     check(two_masks, (*qkv(), m, _pad_bool()), train=train)
+
+
+def plus_bool(q, k, v, flags):  # PyTorch promotion: True adds 1.0 to the score
+    s = torch.matmul(q, k.transpose(-2, -1)) * 0.25 + flags
+    return F.softmax(s, dim=-1) @ v
+
+
+@TRAIN
+@pytest.mark.parametrize("shape", [(B, 1, 1, S), (B, 1, L, S)], ids=lambda s: "x".join(map(str, s)))
+def test_scores_plus_bool_is_promoted(shape, train):
+    g = torch.Generator().manual_seed(3)
+    flags = (torch.rand(*shape, generator=g) < 0.5).to(DEVICE)
+    cap = check(plus_bool, (*qkv(), flags), train=train)
+    mask = cap.attention_calls()[0]["attn_mask"]
+    assert mask is not None and mask.meta["example_value"].is_floating_point()

@@ -28,33 +28,20 @@ import os
 from typing import Any, Callable, Optional
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ._matcher import AttentionRewriter, device_supported, history, rewrite
+from ._rewrite import AttentionRewriter, history, rewrite
 
 log = logging.getLogger("torch_flash_v100.compile")
-
-try:  # torch >= 2.4
-    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
-except Exception:  # pragma: no cover
-    _PassBase = object
 
 __all__ = ["enable", "disable", "backend", "FlashV100Pass", "rewrite", "rewrite_module",
            "AttentionRewriter",
            "is_enabled", "history"]
 
-_SOURCES = ("__init__.py", "_matcher.py", "_masks.py", "_ops.py")
-
-
-def _source_hash() -> str:
-    h = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in _SOURCES:
-        with open(os.path.join(here, name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
-
-
-_SOURCE_HASH = _source_hash()
+_SOURCES = ("__init__.py", "_rewrite.py", "_match.py", "_plan.py", "_emit.py", "_masks.py",
+            "_fx_nodes.py")
+_SOURCE_HASH = get_hash_for_files(
+    tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), n) for n in _SOURCES)).hex()
 
 
 def _as_list(p: Any) -> list:
@@ -65,7 +52,7 @@ def _as_list(p: Any) -> list:
     return [p]
 
 
-class FlashV100Pass(_PassBase):
+class FlashV100Pass(CustomGraphPass):
     """Inductor ``pre_grad_custom_pass``: the attention rewrite, then any previously set pass.
 
     ``uuid()`` is stable (hash of this package's sources, ``force``, and the chained pass' uuid),

@@ -17,16 +17,24 @@ sound rules are applied; anything unknown yields no fact, so the mask stays a pl
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Optional
 
 import torch
 from torch.fx import Node
 
-from ._ops import is_number, mutated, ndim, norm, shape, sym_eq
+from ._fx_nodes import is_number, mutated, ndim, norm, shape, sym_eq
 
 # An additive value that removes a position from the softmax (exp underflows to exactly 0).
 NEG_THRESHOLD = -1.0e4
+
+
+class MaskRole(enum.Enum):
+    """How a mask piece acts on the scores."""
+    ADDITIVE = "N"  # a float tensor added to the scores
+    KEEP = "L"  # a bool tensor, True keeps (where(cond, scores, fill), SDPA bool masks)
+    MASKED = "U"  # a bool tensor, True removes (masked_fill conditions)
 
 
 def is_neg(v: Any) -> bool:
@@ -492,15 +500,14 @@ def _n(c, exact, bound):
     return ("N", c, exact, bound) if is_neg(bound) else None
 
 
-def causal_bound(facts: MaskFacts, node: Any, role: str, factor: Optional[float] = 1.0):
+def causal_bound(facts: MaskFacts, node: Any, role: MaskRole, factor: Optional[float] = 1.0):
     """(implies_causal, exactly_causal) for a mask piece.
 
-    role: "additive" (float added to the scores), "keep" (bool, True keeps),
-    "masked" (bool, True removes: masked_fill / where conditions).  ``factor``: the positive
-    constant that multiplies an additive piece after it is added (None: unknown).
+    ``factor``: the positive constant that multiplies an additive piece after it is added
+    (None: unknown).
     """
     f = facts.fact(node)
-    kind = {"additive": "N", "keep": "L", "masked": "U"}[role]
+    kind = role.value  # the fact that proves a causal bound for this role
     if f is None or f[0] != kind:
         return False, False
     if kind == "N" and (factor is None or not is_neg(f[3] * factor)):

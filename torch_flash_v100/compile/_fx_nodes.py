@@ -13,8 +13,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["Op", "norm", "val", "shape", "ndim", "is_number", "sym_eq", "mutated", "mutators"]
+__all__ = ["Op", "norm", "val", "shape", "ndim", "is_number", "sym_eq", "shapes_eq", "mutated",
+           "mutators", "is_pure"]
 
 
 class Op:
@@ -154,10 +156,6 @@ _fn([F.scaled_dot_product_attention, _g(torch._C._nn, "scaled_dot_product_attent
     ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
 
 
-def _const_kind(name: str) -> bool:
-    return name in ("const_sized",)
-
-
 def norm(node: Any) -> Optional[Op]:
     """Canonical form of ``node`` or None (placeholders, unknown ops, non-nodes)."""
     if not isinstance(node, Node):
@@ -199,9 +197,7 @@ def norm(node: Any) -> Optional[Op]:
         if k == "train":
             k = "training"
         args[k] = v
-    if name == "sdpa":
-        pass
-    elif name in ("ones", "zeros") and varargs is None and "size" in args:
+    if name in ("ones", "zeros") and varargs is None and "size" in args:
         varargs = list(args["size"])
     elif name == "einsum":
         ops = varargs or []
@@ -265,11 +261,7 @@ def sym_eq(a: Any, b: Any) -> bool:
     """True when a == b is known without adding a guard (SymInts included)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-        return bool(statically_known_true(a == b))
-    except Exception:  # pragma: no cover - very old torch
-        return str(a) == str(b)
+    return bool(statically_known_true(a == b))
 
 
 def shapes_eq(a, b) -> bool:
@@ -319,3 +311,10 @@ def mutated(node: Any, ignore: Optional[Node] = None) -> bool:
     """Whether the tensor of ``node`` (or a view of it) is mutated in place by some node other
     than ``ignore``: then its value at one point of the graph is not its value at another."""
     return any(m is not ignore for m in mutators(node))
+
+
+def is_pure(n: Node) -> bool:
+    """A known op without side effects (dead-node cleanup may erase it)."""
+    if n.op == "call_method" or n.op == "call_function":
+        return not _is_inplace(n) and norm(n) is not None
+    return False

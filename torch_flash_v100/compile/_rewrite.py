@@ -1,0 +1,124 @@
+"""The rewrite driver: every softmax / SDPA site of a graph through match -> plan -> emit.
+
+Each site considered is logged on ``torch_flash_v100.compile`` (INFO), with the reason when it is
+left alone, counted in ``counters["flashv100"]`` and kept in :data:`history`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch.fx import Graph, Node
+
+from ._emit import emit, target_op
+from ._fx_nodes import norm, val
+from ._masks import MaskFacts
+from ._match import Reject, match_sdpa, match_softmax
+from ._plan import FusedCall, plan_sdpa, plan_softmax
+
+log = logging.getLogger("torch_flash_v100.compile")
+
+#: (site, rewritten, how-or-why) for every site considered since import; tests and reports
+#: read it (``history.clear()`` to start afresh).
+history: list[tuple[str, bool, str]] = []
+
+
+def _counters():
+    from torch._dynamo.utils import counters
+    return counters
+
+
+def _where(node: Node) -> str:
+    st = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', st)
+    if frames:
+        f, line, fn = frames[-1]
+        return f"{f.rsplit('/', 1)[-1]}:{line} in {fn}"
+    return "<unknown location>"
+
+
+def describe(call: FusedCall, mask) -> str:
+    if call.origin == "sdpa":
+        return (f"flashv100.attention(from SDPA, is_causal={call.is_causal}{call.causal_note}, "
+                f"mask={'yes' if mask is not None else 'no'}, enable_gqa={call.enable_gqa})")
+    desc = [f"scale={call.scale:.6g}"]
+    if call.is_causal:
+        desc.append("is_causal=True")
+    if mask is not None:
+        desc.append(f"attn_mask={'bool' if val(mask).dtype == torch.bool else 'float'}")
+    if call.dropout_p:
+        desc.append(f"dropout_p={call.dropout_p}")
+    if call.enable_gqa:
+        desc.append("enable_gqa=True")
+    return "flashv100.attention(" + ", ".join(desc) + ")"
+
+
+class AttentionRewriter:
+    """Rewrites the attention sites of one graph; ``results`` holds what happened to each."""
+
+    def __init__(self, graph: Graph, force: bool = False):
+        self.graph = graph
+        self.force = force
+        self.facts = MaskFacts()
+        self.key = "example_value"
+        for n in graph.nodes:
+            if "example_value" in n.meta:
+                break
+            if "val" in n.meta:
+                self.key = "val"
+                break
+        self.erased: set = set()
+        self.pos = {n: i for i, n in enumerate(graph.nodes)}
+        self.fused = 0
+        self.results: list[tuple[str, bool, str]] = []
+
+    def run(self) -> int:
+        for node in list(self.graph.nodes):
+            if node in self.erased:
+                continue
+            op = norm(node)
+            if op is None or op.name not in ("softmax", "sdpa"):
+                continue
+            site = f"{op.name} {node.name} at {_where(node)}"
+            try:
+                if op.name == "softmax":
+                    call = plan_softmax(match_softmax(op), self.facts, self.force)
+                else:
+                    call = plan_sdpa(match_sdpa(op), self.facts, self.force)
+                _, mask = emit(call, self.graph, self.key, self.erased, self.pos)
+                how = describe(call, mask)
+            except Reject as e:
+                self._not_fused(site, str(e), logging.INFO)
+                continue
+            except Exception as e:  # a bug of ours must not break the user's compile
+                self._not_fused(site, f"internal error in the matcher: {type(e).__name__}: {e}",
+                                logging.WARNING, exc_info=True)
+                continue
+            self.fused += 1
+            self.results.append((site, True, how))
+            _counters()["flashv100"]["fused_attention"] += 1
+            log.info("flashv100: rewritten: %s -> %s", site, how)
+        return self.fused
+
+    def _not_fused(self, site: str, why: str, level: int, exc_info: bool = False) -> None:
+        self.results.append((site, False, why))
+        log.log(level, "flashv100: NOT rewritten: %s: %s", site, why, exc_info=exc_info)
+        _counters()["flashv100"]["not_fused"] += 1
+
+
+def rewrite(graph: Graph, force: bool = False) -> AttentionRewriter:
+    """Rewrite every attention subgraph of ``graph`` in place; returns the rewriter (results)."""
+    rw = AttentionRewriter(graph, force=force)
+    try:
+        target_op()
+    except Exception as e:  # the extension failed to load: leave the graph alone
+        log.warning("flashv100: the flashv100 ops are unavailable (%s); no rewrite", e)
+        return rw
+    rw.run()
+    history.extend(rw.results)
+    del history[:-10000]
+    if rw.fused:
+        graph.lint()
+    return rw
