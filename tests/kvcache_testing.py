@@ -12,6 +12,8 @@ import torch
 
 from torch_flash_v100.flash_attn_interface import flash_attn_with_kvcache
 from torch_flash_v100.reference import kvcache_reference
+from attention_testing import assert_fa2_close
+from flash_testing import assert_close
 
 
 @dataclass
@@ -121,3 +123,66 @@ def appended_rows(kwargs, lengths):
         else:
             written[b if batch_idx is None else int(batch_idx[b]), rows] = True
     return written
+
+
+# (name, layout fields): capacity is a multiple of every page size it is paired with.
+LAYOUTS = [
+    ("contiguous", dict(capacity=160)),
+    ("page16", dict(capacity=160, page_size=16)),
+    ("page48", dict(capacity=192, page_size=48)),
+    ("page256", dict(capacity=256, page_size=256)),
+]
+
+FEATURES = [
+    ("decode", Case()),
+    ("decode_full", Case(seqlens=["full", 0, 7])),
+    ("decode_gqa4", Case(heads_q=8, heads_kv=2, seqlens=[0, 100, "full"])),
+    ("decode_gqa8_softcap", Case(heads_q=8, heads_kv=1, softcap=1.5)),
+    ("no_append", Case(seqlen_new=0, seqlens=[0, "full", 33])),
+    ("chunk_causal", Case(seqlen_q=5, seqlen_new=5, causal=True, heads_q=8, heads_kv=2)),
+    ("spec_window", Case(seqlen_q=3, seqlen_new=3, window_size=(4, 0))),
+    ("window_left_gqa", Case(heads_q=8, heads_kv=2, window_size=(10, -1))),
+    ("rotary_interleaved", Case(seqlen_q=2, seqlen_new=2, rotary_dim=8, causal=True)),
+    ("rotary_half", Case(seqlen_q=3, seqlen_new=3, rotary_dim=8, rotary_interleaved=False)),
+    ("rotary_full_dim_gqa", Case(heads_q=8, heads_kv=2, rotary_dim=16, rotary_interleaved=False)),
+    ("leftpad", Case(seqlen_q=2, seqlen_new=2, leftpad=[0, 5, 40], rotary_dim=8, causal=True)),
+    ("alibi_h", Case(seqlen_q=2, seqlen_new=2, alibi="h", causal=True)),
+    ("alibi_bh_gqa", Case(heads_q=8, heads_kv=2, alibi="bh")),
+    ("scale", Case(softmax_scale=0.3, seqlen_q=4, seqlen_new=1)),
+    ("splits3", Case(heads_q=8, heads_kv=2, num_splits=3, seqlens=[0, 70, "full"])),
+    ("splits1_causal", Case(seqlen_q=4, seqlen_new=4, num_splits=1, causal=True)),
+    ("splits5_window", Case(seqlen_q=3, seqlen_new=2, num_splits=5, window_size=(30, 2),
+                            leftpad=[3, 0, 9])),
+]
+
+
+def check_case(case: Case, dtype, device="cpu", seed=0):
+    """out and softmax_lse at every position, and the whole caches: rows outside the append
+    bit-identical, appended rows as the reference wrote them. fp64/fp32 against the fp64 reference
+    (flash_testing tolerances); fp16/bf16 FlashAttention-2 style (within twice the error of the
+    reference's math in that dtype)."""
+    kwargs, lengths = make_inputs(case, dtype, device, seed=seed)
+    (out, lse, k_cache, v_cache), (ref_out, ref_lse, ref_k, ref_v) = run_case(kwargs)
+    assert out.shape == kwargs["q"].shape and out.dtype == dtype and out.device.type == device
+    assert lse.shape == (case.batch, case.heads_q, case.seqlen_q) and lse.dtype in (
+        torch.float32, torch.float64)
+    out, lse, k_cache, v_cache = (t.cpu() for t in (out, lse, k_cache, v_cache))
+    if dtype in (torch.float64, torch.float32):
+        assert_close(out, ref_out, "out")
+        assert_close(lse, ref_lse, "softmax_lse")
+    else:
+        _, (base_out, base_lse, _, _) = run_case(kwargs, compute_dtype=dtype)
+        assert_fa2_close(out, ref_out, base_out, name="out")
+        hidden = torch.isneginf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), hidden), "lse: -inf rows differ"
+        assert_fa2_close(lse[~hidden], ref_lse[~hidden], base_lse[~hidden].float(), name="lse",
+                         atol=1e-3)
+    written = appended_rows(kwargs, lengths)
+    for name, got, ref, before in (("k_cache", k_cache, ref_k, kwargs["k_cache"].cpu()),
+                                   ("v_cache", v_cache, ref_v, kwargs["v_cache"].cpu())):
+        assert torch.equal(got[~written], before[~written]), f"{name}: rows outside the append changed"
+        if dtype in (torch.float64, torch.float32):
+            assert_close(got[written], ref[written], f"{name} (appended rows)")
+        else:  # rotated in fp32 here, in fp64 there: one rounding apart
+            torch.testing.assert_close(got[written], ref[written], atol=2e-3, rtol=8e-3)
+    return kwargs

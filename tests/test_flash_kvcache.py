@@ -14,54 +14,9 @@ import torch
 from torch_flash_v100.flash_attn_interface import flash_attn_with_kvcache
 from torch_flash_v100.reference import kvcache_reference
 from flash_testing import assert_close
-from kvcache_testing import Case, appended_rows, make_inputs, run_case
+from kvcache_testing import FEATURES, LAYOUTS, Case, check_case, make_inputs, run_case
 
 ops = torch.ops.flashv100
-
-# (name, layout fields): capacity is a multiple of every page size it is paired with.
-LAYOUTS = [
-    ("contiguous", dict(capacity=160)),
-    ("page16", dict(capacity=160, page_size=16)),
-    ("page48", dict(capacity=192, page_size=48)),
-    ("page256", dict(capacity=256, page_size=256)),
-]
-
-FEATURES = [
-    ("decode", Case()),
-    ("decode_full", Case(seqlens=["full", 0, 7])),
-    ("decode_gqa4", Case(heads_q=8, heads_kv=2, seqlens=[0, 100, "full"])),
-    ("decode_gqa8_softcap", Case(heads_q=8, heads_kv=1, softcap=1.5)),
-    ("no_append", Case(seqlen_new=0, seqlens=[0, 160, 33])),
-    ("chunk_causal", Case(seqlen_q=5, seqlen_new=5, causal=True, heads_q=8, heads_kv=2)),
-    ("spec_window", Case(seqlen_q=3, seqlen_new=3, window_size=(4, 0))),
-    ("window_left_gqa", Case(heads_q=8, heads_kv=2, window_size=(10, -1))),
-    ("rotary_interleaved", Case(seqlen_q=2, seqlen_new=2, rotary_dim=8, causal=True)),
-    ("rotary_half", Case(seqlen_q=3, seqlen_new=3, rotary_dim=8, rotary_interleaved=False)),
-    ("rotary_full_dim_gqa", Case(heads_q=8, heads_kv=2, rotary_dim=16, rotary_interleaved=False)),
-    ("leftpad", Case(seqlen_q=2, seqlen_new=2, leftpad=[0, 5, 40], rotary_dim=8, causal=True)),
-    ("alibi_h", Case(seqlen_q=2, seqlen_new=2, alibi="h", causal=True)),
-    ("alibi_bh_gqa", Case(heads_q=8, heads_kv=2, alibi="bh")),
-    ("scale", Case(softmax_scale=0.3, seqlen_q=4, seqlen_new=1)),
-    ("splits3", Case(heads_q=8, heads_kv=2, num_splits=3, seqlens=[0, 70, "full"])),
-    ("splits1_causal", Case(seqlen_q=4, seqlen_new=4, num_splits=1, causal=True)),
-    ("splits5_window", Case(seqlen_q=3, seqlen_new=2, num_splits=5, window_size=(30, 2),
-                            leftpad=[3, 0, 9])),
-]
-
-
-def check_case(case: Case, dtype, seed=0):
-    kwargs, lengths = make_inputs(case, dtype, "cpu", seed=seed)
-    (out, lse, k_cache, v_cache), (ref_out, ref_lse, ref_k, ref_v) = run_case(kwargs)
-    assert out.shape == kwargs["q"].shape and out.dtype == dtype
-    assert lse.shape == (case.batch, case.heads_q, case.seqlen_q)
-    assert_close(out, ref_out, "out")
-    assert_close(lse, ref_lse, "softmax_lse")
-    written = appended_rows(kwargs, lengths)
-    for name, got, ref, before in (("k_cache", k_cache, ref_k, kwargs["k_cache"]),
-                                   ("v_cache", v_cache, ref_v, kwargs["v_cache"])):
-        assert torch.equal(got[~written], before[~written]), f"{name}: rows outside the append changed"
-        assert_close(got[written], ref[written], f"{name} (appended rows)")
-
 
 @pytest.mark.parametrize("name,case", FEATURES, ids=[f[0] for f in FEATURES])
 @pytest.mark.parametrize("layout,fields", LAYOUTS, ids=[l[0] for l in LAYOUTS])

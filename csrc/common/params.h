@@ -173,16 +173,20 @@ struct SequenceSpan {
   int64_t len_kv = 0;
 };
 
-FLASHV100_HOST_DEVICE inline SequenceSpan sequence_span(const ForwardParams& p, int64_t b) {
-  const KVCacheParams& c = p.kvcache;
-  if (c.seqlens != nullptr) {
-    const int64_t first = c.leftpad != nullptr ? c.leftpad[b] : 0;
-    return SequenceSpan{0, first, p.shape.len_q, c.seqlens[b] + c.seqlen_new - first};
-  }
+// The span of a dense or packed batch, KV caches aside (what the backward kernels, which never
+// see a KV cache, use: they stay free of its branch).
+FLASHV100_HOST_DEVICE inline SequenceSpan batch_span(const ForwardParams& p, int64_t b) {
   if (p.varlen.cu_seqlens_q == nullptr) return SequenceSpan{0, 0, p.shape.len_q, p.shape.len_kv};
   const int64_t q0 = p.varlen.cu_seqlens_q[b], k0 = p.varlen.cu_seqlens_k[b];
   return SequenceSpan{q0, k0, p.varlen.cu_seqlens_q[b + 1] - q0,
                       p.varlen.cu_seqlens_k[b + 1] - k0};
+}
+
+FLASHV100_HOST_DEVICE inline SequenceSpan sequence_span(const ForwardParams& p, int64_t b) {
+  const KVCacheParams& c = p.kvcache;
+  if (c.seqlens == nullptr) return batch_span(p, b);
+  const int64_t first = c.leftpad != nullptr ? c.leftpad[b] : 0;
+  return SequenceSpan{0, first, p.shape.len_q, c.seqlens[b] + c.seqlen_new - first};
 }
 
 // Offset in elements of key/value row `row` (of the sequence's whole cache row range: k_start
