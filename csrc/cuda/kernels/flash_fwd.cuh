@@ -63,9 +63,9 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const int32_t* const page_table =
       kPaged ? cache.block_table + b * cache.block_table_stride : nullptr;
   const int first_row = static_cast<int>(seq.k_start);
+  const int page_size = static_cast<int>(cache.page_size);
   const auto paged_rows = [=](const uint16_t* head, const TensorStrides& st, int n0) {
-    return PagedRows{head, page_table, st.batch, st.row, static_cast<int>(p.kvcache.page_size),
-                     first_row + n0};
+    return PagedRows{head, page_table, st.batch, st.row, page_size, first_row + n0};
   };
   const HeadMask mask(p.mask, b, h, shape.heads_q);
   // Keys a padding mask drops are never loaded or multiplied.
