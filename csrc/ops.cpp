@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -195,6 +196,18 @@ TORCH_LIBRARY(flashv100, m) {
       "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, "
       "bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
       "bool deterministic) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // flash_attn_with_kvcache (FlashAttention-2 v2.8 semantics, torch_flash_v100.flash_attn_interface):
+  // appends k/v (rotated k) into k_cache/v_cache in place at rows cache_seqlens, then attends q
+  // (rotated) to the rows [cache_leftpad, cache_seqlens + S_new) of each sequence's cache,
+  // contiguous [B_cache, S_cache, Hkv, D] (rows of cache_batch_idx[b]) or paged
+  // [num_pages, page_size, Hkv, D] through block_table. num_splits: split-KV shares (0: chosen).
+  // out [B, Sq, Hq, D], softmax_lse fp32 [B, Hq, Sq]. No backward (as FlashAttention-2).
+  m.def(
+      "_kvcache_forward(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+      "Tensor? rotary_cos, Tensor? rotary_sin, Tensor cache_seqlens, Tensor? cache_batch_idx, "
+      "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, bool causal, "
+      "int window_left, int window_right, float softcap, bool rotary_interleaved, "
+      "Tensor? alibi_slopes, int num_splits) -> (Tensor out, Tensor softmax_lse)");
   m.def(
       "_dropout_mask(Tensor rng_state, SymInt batch, SymInt heads, SymInt len_q, SymInt len_kv, "
       "float dropout_p) -> Tensor");
@@ -202,6 +215,12 @@ TORCH_LIBRARY(flashv100, m) {
 
 TORCH_LIBRARY_IMPL(flashv100, CompositeImplicitAutograd, m) {
   m.impl("attention", TORCH_FN(attention));
+}
+
+// No derivative: outputs of inputs that require grad get a node whose backward raises
+// ("the derivative for flashv100::_kvcache_forward is not implemented"), never a silent zero.
+TORCH_LIBRARY_IMPL(flashv100, Autograd, m) {
+  m.impl("_kvcache_forward", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(flashv100, AutocastCUDA, m) {

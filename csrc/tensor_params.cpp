@@ -124,6 +124,47 @@ TensorStrides flash_strides_of(const at::Tensor& t, bool varlen) {
                 : TensorStrides{t.stride(0), t.stride(2), t.stride(1)};
 }
 
+// window sizes >= -1, softcap >= 0, alibi_slopes fp32 [Hq] or [B, Hq] on `device`.
+void check_score_mods(const char* op, int64_t window_left, int64_t window_right, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes, int64_t batch,
+                      int64_t heads_q, const at::Device& device) {
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, op,
+              ": expected window_size entries >= -1 (-1: unbounded), got (", window_left, ", ",
+              window_right, ")");
+  TORCH_CHECK(softcap >= 0.0, op, ": expected softcap >= 0 (0: off), got ", softcap);
+  if (!alibi_slopes.has_value()) return;
+  const at::Tensor& slopes = *alibi_slopes;
+  TORCH_CHECK(slopes.scalar_type() == at::kFloat, op,
+              ": expected alibi_slopes of dtype float32, got ", slopes.scalar_type());
+  TORCH_CHECK(slopes.device() == device, op, ": expected alibi_slopes on ", device,
+              " (query's device), got ", slopes.device());
+  const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads_q;
+  const bool per_batch_head =
+      slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads_q;
+  TORCH_CHECK(per_head || per_batch_head, op, ": expected alibi_slopes [Hq] = [", heads_q,
+              "] or [B, Hq] = [", batch, ", ", heads_q, "], got ", slopes.sizes());
+  TORCH_CHECK(slopes.stride(-1) == 1 || heads_q <= 1, op,
+              ": expected alibi_slopes with a contiguous last dim");
+}
+
+// A contiguous int32 index tensor of `shape` on `device` (the kernels read it with unit strides).
+void check_index_tensor(const char* op, const char* name, const at::Tensor& t,
+                        at::IntArrayRef shape, const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, op, ": expected ", name, " of dtype int32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, op, ": expected ", name, " of shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(t.device() == device, op, ": expected ", name, " on ", device,
+              " (query's device), got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), op, ": expected a contiguous ", name, ", got strides ",
+              t.strides());
+}
+
+// The values of an int32 index tensor, on the host.
+at::Tensor host_values(const at::Tensor& t) {
+  return t.device().is_cpu() ? t : t.to(at::kCPU);
+}
+
 // softmax_lse's shape: [B, Hq, Sq] from query [B, Sq, Hq, D], [Hq, total_q] from [total_q, Hq, D].
 std::vector<int64_t> flash_lse_shape(const FlashArgs& args) {
   const at::Tensor& q = args.query;
@@ -307,25 +348,8 @@ void check_flash_inputs(const char* op, const FlashArgs& args) {
                 " and max_seqlen_k = Sk = ", key.size(1), ", got ", args.max_seqlen_q, " and ",
                 args.max_seqlen_k);
   }
-  TORCH_CHECK(args.window_left >= -1 && args.window_right >= -1, op,
-              ": expected window_size entries >= -1 (-1: unbounded), got (", args.window_left,
-              ", ", args.window_right, ")");
-  TORCH_CHECK(args.softcap >= 0.0, op, ": expected softcap >= 0 (0: off), got ",
-              args.softcap);
-  if (args.alibi_slopes.has_value()) {
-    const at::Tensor& slopes = *args.alibi_slopes;
-    TORCH_CHECK(slopes.scalar_type() == at::kFloat, op,
-                ": expected alibi_slopes of dtype float32, got ", slopes.scalar_type());
-    TORCH_CHECK(slopes.device() == query.device(), op, ": expected alibi_slopes on ",
-                query.device(), " (query's device), got ", slopes.device());
-    const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads_q;
-    const bool per_batch_head =
-        slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads_q;
-    TORCH_CHECK(per_head || per_batch_head, op, ": expected alibi_slopes [Hq] = [", heads_q,
-                "] or [B, Hq] = [", batch, ", ", heads_q, "], got ", slopes.sizes());
-    TORCH_CHECK(slopes.stride(-1) == 1 || heads_q <= 1, op,
-                ": expected alibi_slopes with a contiguous last dim");
-  }
+  check_score_mods(op, args.window_left, args.window_right, args.softcap, args.alibi_slopes,
+                   batch, heads_q, query.device());
 }
 
 void check_flash_backward_inputs(const char* op, const FlashArgs& args, const at::Tensor& grad_out,
@@ -398,6 +422,253 @@ BackwardParams make_flash_backward_params(const FlashArgs& args, const at::Tenso
   p.dk_strides = flash_strides_of(grad_key, varlen);
   p.dv_strides = flash_strides_of(grad_value, varlen);
   p.deterministic = deterministic;
+  return p;
+}
+
+}  // namespace flashv100
+
+namespace flashv100 {
+
+void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_values) {
+  const at::Tensor &q = args.query, &k_cache = args.k_cache, &v_cache = args.v_cache;
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, op,
+              ": expected q [B, Sq, Hq, D] and k_cache, v_cache [B_cache, S_cache, Hkv, D] (or "
+              "[num_pages, page_size, Hkv, D] with block_table), got q ", q.sizes(), ", k_cache ",
+              k_cache.sizes(), ", v_cache ", v_cache.sizes());
+  check_qkv_dtype_and_device(op, q, k_cache, v_cache);
+  const at::Device device = q.device();
+  const int64_t batch = q.size(0), len_q = q.size(1), heads_q = q.size(2), dim = q.size(3);
+  const int64_t heads_kv = k_cache.size(2);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": expected v_cache of k_cache's shape ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(3) == dim, op, ": expected k_cache and v_cache head dim ", dim,
+              " (q's), got ", k_cache.size(3));
+  check_gqa_heads(op, heads_q, heads_kv);
+  TORCH_CHECK(batch > 0, op, ": expected a batch of at least one sequence, got q ", q.sizes());
+  if (args.paged()) {
+    const at::Tensor& table = *args.block_table;
+    TORCH_CHECK(table.scalar_type() == at::kInt, op,
+                ": expected block_table of dtype int32, got ", table.scalar_type());
+    TORCH_CHECK(table.dim() == 2 && table.size(0) == batch && table.size(1) > 0, op,
+                ": expected block_table [B, max_pages] = [", batch, ", max_pages >= 1], got ",
+                table.sizes());
+    TORCH_CHECK(table.device() == device, op, ": expected block_table on ", device,
+                " (query's device), got ", table.device());
+    TORCH_CHECK(table.stride(1) == 1 || table.size(1) == 1, op,
+                ": expected block_table with a contiguous last dim, got strides ",
+                table.strides());
+    const int64_t page_size = k_cache.size(1);
+    TORCH_CHECK(page_size > 0 && page_size % 16 == 0, op,
+                ": expected a page size (k_cache.shape[1] with block_table) that is a positive "
+                "multiple of 16, got ", page_size);
+    TORCH_CHECK(!args.cache_batch_idx.has_value(), op,
+                ": cache_batch_idx cannot be combined with block_table (a paged cache addresses "
+                "each sequence's pages through its block_table row)");
+  } else {
+    TORCH_CHECK(args.cache_batch_idx.has_value() || k_cache.size(0) >= batch, op,
+                ": expected k_cache with at least B = ", batch,
+                " sequences (or a cache_batch_idx), got ", k_cache.sizes());
+  }
+  check_index_tensor(op, "cache_seqlens", args.cache_seqlens, {batch}, device);
+  if (args.cache_batch_idx.has_value())
+    check_index_tensor(op, "cache_batch_idx", *args.cache_batch_idx, {batch}, device);
+  if (args.cache_leftpad.has_value())
+    check_index_tensor(op, "cache_leftpad", *args.cache_leftpad, {batch}, device);
+  TORCH_CHECK(args.k.has_value() == args.v.has_value(), op,
+              ": expected both k and v (the new keys and values), or neither");
+  const int64_t seqlen_new = args.seqlen_new();
+  if (args.k.has_value()) {
+    const at::Tensor &k = *args.k, &v = *args.v;
+    TORCH_CHECK(k.dim() == 4 && k.size(0) == batch && k.size(2) == heads_kv && k.size(3) == dim,
+                op, ": expected k [B, S_new, Hkv, D] = [", batch, ", S_new, ", heads_kv, ", ",
+                dim, "], got ", k.sizes());
+    TORCH_CHECK(v.sizes() == k.sizes(), op, ": expected v of k's shape ", k.sizes(), ", got ",
+                v.sizes());
+    check_qkv_dtype_and_device(op, q, k, v);
+  }
+  const int64_t capacity = args.capacity();
+  TORCH_CHECK(args.rotary_cos.has_value() == args.rotary_sin.has_value(), op,
+              ": expected both rotary_cos and rotary_sin, or neither");
+  if (args.rotary_cos.has_value()) {
+    const at::Tensor &cos = *args.rotary_cos, &sin = *args.rotary_sin;
+    TORCH_CHECK(args.k.has_value(), op,
+                ": rotary_cos/rotary_sin need the new k and v (FlashAttention-2 rotates q and the "
+                "appended keys)");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) > 0 && 2 * cos.size(1) <= dim, op,
+                ": expected rotary_cos [seqlen_ro, rotary_dim / 2] with 0 < rotary_dim <= D = ",
+                dim, ", got ", cos.sizes());
+    TORCH_CHECK(sin.sizes() == cos.sizes(), op, ": expected rotary_sin of rotary_cos's shape ",
+                cos.sizes(), ", got ", sin.sizes());
+    for (const auto& [name, t] : {std::pair{"rotary_cos", &cos}, {"rotary_sin", &sin}}) {
+      TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == device, op,
+                  ": expected ", name, " of q's dtype ", q.scalar_type(), " on ", device,
+                  ", got ", t->scalar_type(), " on ", t->device());
+      TORCH_CHECK(t->is_contiguous(), op, ": expected a contiguous ", name);
+    }
+    // Positions stay below capacity (new keys) and, for query rows past the new keys, below
+    // capacity - S_new + Sq: enough rows for any valid cache_seqlens, values unread.
+    const int64_t positions =
+        kvcache_q_positions_advance(args) ? std::max(capacity, capacity - seqlen_new + len_q)
+                                          : capacity;
+    TORCH_CHECK(cos.size(0) >= positions, op, ": expected rotary_cos/rotary_sin with at least ",
+                positions, " rows (one per cache position), got ", cos.size(0));
+  }
+  check_score_mods(op, args.window_left, args.window_right, args.softcap, args.alibi_slopes,
+                   batch, heads_q, device);
+  TORCH_CHECK(args.num_splits >= 0 && args.num_splits <= 128, op,
+              ": expected num_splits in [0, 128] (0: chosen by the kernels), got ",
+              args.num_splits);
+  if (!check_values) return;
+
+  const at::Tensor seqlens = host_values(args.cache_seqlens);
+  const int32_t* lens = seqlens.data_ptr<int32_t>();
+  at::Tensor leftpad_host, batch_idx_host, table_host;
+  const int32_t* leftpad = nullptr;
+  if (args.cache_leftpad.has_value()) {
+    leftpad_host = host_values(*args.cache_leftpad);
+    leftpad = leftpad_host.data_ptr<int32_t>();
+  }
+  if (args.cache_batch_idx.has_value()) {
+    batch_idx_host = host_values(*args.cache_batch_idx);
+    const int32_t* idx = batch_idx_host.data_ptr<int32_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(idx[b] >= 0 && idx[b] < k_cache.size(0), op, ": cache_batch_idx[", b, "] = ",
+                  idx[b], " is outside the cache's batch [0, ", k_cache.size(0), ")");
+    }
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] + seqlen_new <= capacity, op, ": cache_seqlens[", b,
+                "] = ", lens[b], " with ", seqlen_new, " new rows does not fit a cache of ",
+                capacity, " rows per sequence", args.paged() ? " (max_pages * page_size)" : "");
+    if (leftpad != nullptr) {
+      TORCH_CHECK(leftpad[b] >= 0 && leftpad[b] <= lens[b], op, ": expected 0 <= cache_leftpad[",
+                  b, "] <= cache_seqlens[", b, "] = ", lens[b], ", got ", leftpad[b]);
+    }
+  }
+  if (args.paged()) {
+    table_host = host_values(*args.block_table);
+    const int64_t page_size = k_cache.size(1), stride = table_host.stride(0);
+    const int32_t* table = table_host.data_ptr<int32_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t first = leftpad != nullptr ? leftpad[b] : 0, end = lens[b] + seqlen_new;
+      for (int64_t page = first / page_size; page * page_size < end; ++page) {
+        const int32_t entry = table[b * stride + page];
+        TORCH_CHECK(entry >= 0 && entry < k_cache.size(0), op, ": block_table[", b, ", ", page,
+                    "] = ", entry, " is outside k_cache's ", k_cache.size(0), " pages");
+      }
+    }
+  }
+}
+
+at::Tensor allocate_kvcache_out(const KVCacheArgs& args) {
+  return at::empty(args.query.sizes(), args.query.options());
+}
+
+at::Tensor allocate_kvcache_lse(const KVCacheArgs& args) {
+  const at::Tensor& q = args.query;
+  return at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_dtype_of(q)));
+}
+
+bool kvcache_q_positions_advance(const KVCacheArgs& args) {
+  // FlashAttention-2: local iff a window side below the cache capacity remains.
+  const int64_t capacity = args.capacity();
+  const auto bounded = [&](int64_t side) { return side >= 0 && side < capacity; };
+  return args.causal || bounded(args.window_left) || bounded(args.window_right);
+}
+
+namespace {
+
+KVCacheParams kvcache_params_of(const KVCacheArgs& args) {
+  KVCacheParams c;
+  c.seqlens = args.cache_seqlens.data_ptr<int32_t>();
+  if (args.cache_leftpad.has_value()) c.leftpad = args.cache_leftpad->data_ptr<int32_t>();
+  if (args.cache_batch_idx.has_value()) c.batch_idx = args.cache_batch_idx->data_ptr<int32_t>();
+  if (args.paged()) {
+    c.block_table = args.block_table->data_ptr<int32_t>();
+    c.block_table_stride = args.block_table->stride(0);
+    c.page_size = args.k_cache.size(1);
+  }
+  c.seqlen_new = args.seqlen_new();
+  return c;
+}
+
+}  // namespace
+
+KVAppendParams make_kvcache_append_params(const KVCacheArgs& args, const at::Tensor& q_rotated) {
+  const at::Tensor& q = args.query;
+  KVAppendParams a;
+  a.cache = kvcache_params_of(args);
+  a.batch = q.size(0);
+  a.heads_q = q.size(2);
+  a.heads_kv = args.k_cache.size(2);
+  a.len_q = q.size(1);
+  a.head_dim = q.size(3);
+  a.head_dim_v = args.v_cache.size(3);
+  a.k_cache = args.k_cache.data_ptr();
+  a.v_cache = args.v_cache.data_ptr();
+  a.k_cache_strides = flash_strides_of(args.k_cache, false);
+  a.v_cache_strides = flash_strides_of(args.v_cache, false);
+  if (args.k.has_value()) {
+    a.k_new = args.k->data_ptr();
+    a.v_new = args.v->data_ptr();
+    a.k_new_strides = flash_strides_of(*args.k, false);
+    a.v_new_strides = flash_strides_of(*args.v, false);
+  }
+  a.q = q.data_ptr();
+  a.q_strides = flash_strides_of(q, false);
+  if (q_rotated.defined()) {
+    a.q_rotated = q_rotated.data_ptr();
+    a.q_rotated_strides = flash_strides_of(q_rotated, false);
+    a.rotary_cos = args.rotary_cos->data_ptr();
+    a.rotary_sin = args.rotary_sin->data_ptr();
+    a.rotary_dim = 2 * args.rotary_cos->size(1);
+    a.rotary_interleaved = args.rotary_interleaved;
+    a.q_positions_advance = kvcache_q_positions_advance(args);
+  }
+  return a;
+}
+
+ForwardParams make_kvcache_forward_params(const KVCacheArgs& args, const at::Tensor& query,
+                                          const at::Tensor& out, const at::Tensor& softmax_lse) {
+  const int64_t batch = query.size(0), len_q = query.size(1), heads_q = query.size(2);
+  const int64_t heads_kv = args.k_cache.size(2);
+  ForwardParams p;
+  p.shape = AttentionShape{batch,         heads_q,           heads_kv,          len_q,
+                           args.capacity(), query.size(3), args.v_cache.size(3)};
+  p.q = query.data_ptr();
+  p.k = args.k_cache.data_ptr();
+  p.v = args.v_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = softmax_lse.scalar_type() == at::kFloat ? softmax_lse.data_ptr<float>() : nullptr;
+  p.lse_layout = LseLayout{softmax_lse.stride(0), softmax_lse.stride(1)};
+  p.q_strides = flash_strides_of(query, false);
+  p.k_strides = flash_strides_of(args.k_cache, false);
+  p.v_strides = flash_strides_of(args.v_cache, false);
+  p.out_strides = flash_strides_of(out, false);
+  p.scale = args.softmax_scale;
+  p.window.left = effective_window(args.window_left, args.capacity());
+  p.window.right = args.causal ? 0 : effective_window(args.window_right, len_q);
+  p.causal = p.window.right == 0 ? CausalMode::kBottomRight : CausalMode::kNone;
+  p.score_mod.softcap = static_cast<float>(args.softcap);
+  if (args.alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *args.alibi_slopes;
+    p.score_mod.alibi_slopes = slopes.data_ptr<float>();
+    p.score_mod.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
+  }
+  p.kvcache = kvcache_params_of(args);
+  // One query row sees every key of [0, len_kv) whatever causal and the right window say; with
+  // no left window and no ALiBi (whose distances would change) the g = Hq / Hkv query heads of a
+  // KV head become g rows of one head: row r of KV head h is query head h * g + r.
+  if (len_q == 1 && heads_q > heads_kv && p.window.left < 0 && p.score_mod.alibi_slopes == nullptr) {
+    const int64_t group = heads_q / heads_kv;
+    p.shape.heads_q = heads_kv;
+    p.shape.len_q = group;
+    p.q_strides = TensorStrides{query.stride(0), group * query.stride(2), query.stride(2)};
+    p.out_strides = TensorStrides{out.stride(0), group * out.stride(2), out.stride(2)};
+    p.lse_layout = LseLayout{softmax_lse.stride(0), group * softmax_lse.stride(1)};
+    p.window.right = -1;
+    p.causal = CausalMode::kNone;
+  }
   return p;
 }
 

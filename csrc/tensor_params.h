@@ -93,4 +93,55 @@ BackwardParams make_flash_backward_params(const FlashArgs& args, const at::Tenso
                                           const at::Tensor& grad_query, const at::Tensor& grad_key,
                                           const at::Tensor& grad_value, bool deterministic);
 
+// The KV-cache op's arguments (flashv100::_kvcache_forward, flash_attn_with_kvcache).
+struct KVCacheArgs {
+  const at::Tensor& query;    // [B, Sq, Hq, D]
+  const at::Tensor& k_cache;  // [B_cache, S_cache, Hkv, D], or paged [num_pages, page_size, Hkv, D]
+  const at::Tensor& v_cache;
+  const std::optional<at::Tensor>& k;  // [B, S_new, Hkv, D], appended at cache_seqlens
+  const std::optional<at::Tensor>& v;
+  const std::optional<at::Tensor>& rotary_cos;  // [seqlen_ro, rotary_dim / 2]
+  const std::optional<at::Tensor>& rotary_sin;
+  const at::Tensor& cache_seqlens;                   // int32 [B]
+  const std::optional<at::Tensor>& cache_batch_idx;  // int32 [B]
+  const std::optional<at::Tensor>& cache_leftpad;    // int32 [B]
+  const std::optional<at::Tensor>& block_table;      // int32 [B, max_pages]
+  double softmax_scale;
+  bool causal;
+  int64_t window_left;
+  int64_t window_right;
+  double softcap;
+  bool rotary_interleaved;
+  const std::optional<at::Tensor>& alibi_slopes;
+  int64_t num_splits;
+  bool paged() const { return block_table.has_value(); }
+  int64_t seqlen_new() const { return k.has_value() ? k->size(1) : 0; }
+  // Rows one sequence's cache holds: S_cache, or max_pages * page_size.
+  int64_t capacity() const {
+    return paged() ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
+  }
+};
+// Layouts, dtypes, devices and shapes (page_size a multiple of 16, block_table int32 [B, max_pages]
+// with a contiguous last dim, no cache_batch_idx with a paged cache, rotary_dim even and <= D with
+// enough cos/sin rows for every position, num_splits in [0, 128]) and, when check_values, the index
+// tensors' values, read on the host (one device-to-host copy each on CUDA): 0 <= cache_leftpad <=
+// cache_seqlens, cache_seqlens + S_new <= capacity(), cache_batch_idx in [0, B_cache), and the
+// block_table entries of the pages that hold rows [leftpad, cache_seqlens + S_new) in
+// [0, num_pages). The CUDA op skips the values while its stream captures a CUDA graph.
+void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_values);
+// out [B, Sq, Hq, D] (query's dtype) and softmax_lse [B, Hq, Sq] (fp32; fp64 for fp64 inputs).
+at::Tensor allocate_kvcache_out(const KVCacheArgs& args);
+at::Tensor allocate_kvcache_lse(const KVCacheArgs& args);
+// Whether rotary embedding gives query row i position cache_seqlens + i (causal or windowed
+// attention, FlashAttention-2's rule) rather than cache_seqlens for every row.
+bool kvcache_q_positions_advance(const KVCacheArgs& args);
+// The rotation and append step; q_rotated: where the rotated query goes (undefined: no rotary).
+KVAppendParams make_kvcache_append_params(const KVCacheArgs& args, const at::Tensor& q_rotated);
+// Attention of `query` (args.query or its rotation, same shape) over the updated cache. Single
+// query rows of grouped-query attention without window or ALiBi are seen as the Hq / Hkv rows of
+// one KV head (FlashAttention-2's seqlen_q * ngroups swap: strides only, no copy). split stays at
+// one split: the launchers choose it.
+ForwardParams make_kvcache_forward_params(const KVCacheArgs& args, const at::Tensor& query,
+                                          const at::Tensor& out, const at::Tensor& softmax_lse);
+
 }  // namespace flashv100

@@ -129,7 +129,7 @@ _COMPILE_API = ("enable", "disable", "backend")
 _FLASH_ATTN_API = (
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
 )
 
 

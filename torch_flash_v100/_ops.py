@@ -66,6 +66,18 @@ def _flash_backward_fake(grad_out, query, key, value, out, softmax_lse, rng_stat
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+@torch.library.register_fake("flashv100::_kvcache_forward")
+def _kvcache_forward_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                          cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                          window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
+                          num_splits):
+    # Mirrors allocate_kvcache_out/_lse in csrc/tensor_params.cpp; the caches are mutated in place
+    # (the schema's alias annotations tell functionalization).
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+    return out, lse
+
+
 @torch.library.register_fake("flashv100::_dropout_mask")
 def _dropout_mask_fake(rng_state, batch, heads, len_q, len_kv, dropout_p):
     return rng_state.new_empty((batch, heads, len_q, len_kv), dtype=torch.bool)

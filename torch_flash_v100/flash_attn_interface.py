@@ -16,7 +16,11 @@ Same names, arguments, defaults, return values and semantics as ``flash_attn.fla
   without dropout) and is exactly the softmax probabilities, [B, H, max_seqlen_q, max_seqlen_k]
   without rounding of the lengths, dropped entries negated (see ``flash_attn_func``);
 - ``softmax_lse`` is fp64 for fp64 inputs (fp32 otherwise, as flash_attn);
-- paged KV caches (``block_table``) and ``flash_attn_with_kvcache`` are not supported yet.
+- ``flash_attn_with_kvcache`` takes paged caches of any page size that is a multiple of 16
+  (flash_attn: 256), ``cache_leftpad`` together with ``block_table`` (flash_attn refuses it), and
+  CPU tensors of every floating dtype; its bad index values (a ``block_table`` entry outside the
+  cache, a cache too small for the append) raise instead of reading or writing out of bounds;
+- ``flash_attn_varlen_func`` has no paged KV cache (``block_table``) yet.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .reference import flash_scores
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
 ]
 
 
@@ -260,3 +264,92 @@ flash_attn_varlen_kvpacked_func.__doc__ = """flash_attn_varlen_func with packed 
     kv: (total_k, 2, nheads_k, headdim)
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in flash_attn_varlen_func.
 """ + _ARGS_DOC + _VARLEN_RETURNS
+
+
+def _index_tensor(t):
+    return None if t is None else t.contiguous()
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("flash_attn_with_kvcache: k and v need cache_seqlens (the rows they "
+                             "are appended at)")
+        pages = 1 if block_table is None else block_table.shape[1]
+        cache_seqlens = k_cache.shape[1] * pages  # the whole cache
+    if isinstance(cache_seqlens, (int, torch.SymInt)):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                   device=q.device)
+    q, k, v = (x if x is None or x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    out, softmax_lse = torch.ops.flashv100._kvcache_forward(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, _index_tensor(cache_seqlens),
+        _index_tensor(cache_batch_idx), _index_tensor(cache_leftpad), block_table,
+        float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
+        float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+    return (out, softmax_lse) if return_softmax_lse else out
+
+
+flash_attn_with_kvcache.__doc__ = """Attention of new queries to a KV cache, appending new keys and
+    values to it in place first (FlashAttention-2's flash_attn_with_kvcache, for decoding).
+
+    If k and v are given, they are written (k after rotary embedding) into k_cache and v_cache at
+    rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of each sequence, in place; the
+    cache must have room for them. Then q attends to the rows
+    [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of its sequence's cache (seqlen_k =
+    cache_seqlens - cache_leftpad + seqlen_new keys, new ones included). Work is proportional to
+    each sequence's own length. No backward: outputs of inputs that require grad raise on
+    backward.
+
+    Rotary embedding (rotary_cos/rotary_sin, needs k and v): the new key i is rotated at position
+    cache_seqlens[b] + i; with causal or a window, query row i too, else every query row at
+    cache_seqlens[b]. Positions are cache rows (a left padding does not shift them).
+
+    causal and window_size align bottom-right, as in flash_attn_func (seqlen_q against seqlen_k
+    above). MQA/GQA as in flash_attn_func; single-token decoding with nheads > nheads_k (and
+    neither a left window nor ALiBi) runs the query heads of a KV head as the rows of one tile.
+
+    Arguments:
+    q: (batch_size, seqlen, nheads, headdim)
+    k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table (a paged
+        cache) (num_blocks, page_block_size, nheads_k, headdim); page_block_size a multiple of 16.
+        A contiguous last dim.
+    v_cache: like k_cache.
+    k, v [optional]: (batch_size, seqlen_new, nheads_k, headdim), the new keys and values.
+    rotary_cos, rotary_sin [optional]: (seqlen_ro, rotary_dim / 2), contiguous, q's dtype;
+        rotary_dim even and <= headdim, seqlen_ro at least the cache's rows per sequence.
+    cache_seqlens: int, or int32 (batch_size,): the rows of each sequence already in its cache.
+        None: the whole cache (no k, v then).
+    cache_batch_idx [optional]: int32 (batch_size,): the k_cache batch row of each sequence (not
+        with block_table). With duplicates and k, v, which sequence's rows land is unspecified.
+    cache_leftpad [optional]: int32 (batch_size,): the first cache row of each sequence (rows
+        before it are ignored); <= cache_seqlens.
+    block_table [optional]: int32 (batch_size, max_num_blocks_per_seq): page i of sequence b is
+        k_cache[block_table[b, i]]; only the entries of pages holding rows of the sequence are
+        read (and checked).
+    softmax_scale, causal, window_size, softcap, alibi_slopes: as in flash_attn_func.
+    rotary_interleaved: rotary pairs (0, 1), (2, 3), ... if True, else (0, rotary_dim / 2),
+        (1, rotary_dim / 2 + 1), ... (GPT-NeoX).
+    num_splits: split-KV: > 1 cuts each sequence's keys into that many shares computed by
+        separate thread blocks and combined (deterministically) by their softmax_lse; 1: no
+        split; 0: chosen from the GPU's SM count and the shape (the CPU kernels take 0 as 1).
+    return_softmax_lse: also return softmax_lse.
+
+    Index values (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are checked on the
+    host (one device-to-host copy each), except while the current CUDA stream is capturing a
+    graph: then they are trusted.
+
+    Return:
+        out: (batch_size, seqlen, nheads, headdim).
+        softmax_lse [if return_softmax_lse=True]: (batch_size, nheads, seqlen), fp32 (fp64 for
+            fp64 inputs); -inf for rows that see no key.
+"""

@@ -4,7 +4,8 @@
 They materialise the score matrix. ``reference_attention`` computes in the dtype it is given (pass
 float64 tensors for ground truth); ``flash_reference_attention`` in ``compute_dtype``. Used by the
 tests and the benchmarks; the library itself only uses ``flash_scores`` for the optional
-``S_dmask`` output of the FlashAttention-2 functions.
+``S_dmask`` output of the FlashAttention-2 functions. ``kvcache_reference`` is
+``flash_attn_with_kvcache`` from the definitions: pages gathered, rotary applied, rows appended.
 """
 
 from __future__ import annotations
@@ -191,3 +192,78 @@ def flash_reference_attention(q, k, v, *, causal=False, softmax_scale=None, wind
         probs = probs * dropout_keep / (1.0 - dropout_p)
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def apply_rotary(x, cos, sin, positions, interleaved):
+    """Rotary embedding of x [S, H, D] at ``positions`` [S] (rows of cos/sin [seqlen_ro, R / 2]):
+    the first R dims rotate, pairs (0, 1), (2, 3), ... if interleaved, else (i, i + R / 2)."""
+    rotary_dim = 2 * cos.shape[1]
+    c = cos[positions].to(x.dtype)[:, None, :]
+    s = sin[positions].to(x.dtype)[:, None, :]
+    head, tail = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        x1, x2 = head[..., 0::2], head[..., 1::2]
+        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = head.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([rotated, tail], dim=-1)
+
+
+def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, rotary_cos=None,
+                      rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
+                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                      softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                      compute_dtype=torch.float64):
+    """flash_attn_with_kvcache from its definition, sequence by sequence; the inputs are left
+    untouched. Returns (out [B, Sq, Hq, D] and lse [B, Hq, Sq] in compute_dtype, and the caches
+    after the append, copies in the caches' dtype).
+
+    The new keys are rotated in compute_dtype and stored rounded to the cache's dtype, as a cache
+    holds them; q is rotated in compute_dtype. cache_seqlens: an int or an int tensor [B].
+    """
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    batch, len_q = q.shape[0], q.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    page_size = k_cache.shape[1]
+    capacity = page_size * (1 if block_table is None else block_table.shape[1])
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    left, right = window_size
+    bounded = [side for side in (left, right) if 0 <= side < capacity]
+    advance = causal or bool(bounded)
+    outs, lses = [], []
+    for b in range(batch):
+        length = cache_seqlens if isinstance(cache_seqlens, int) else int(cache_seqlens[b])
+        first = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        rows = torch.arange(length + seqlen_new)
+        if block_table is None:
+            cache_b = b if cache_batch_idx is None else int(cache_batch_idx[b])
+            index = (torch.full_like(rows, cache_b), rows)
+        else:
+            index = (block_table[b].cpu().long()[rows // page_size], rows % page_size)
+        q_b = q[b].to(compute_dtype)
+        if k is not None:
+            new_rows = rows[length:]
+            new_index = tuple(i[length:] for i in index)
+            k_b, v_b = k[b].to(compute_dtype), v[b]
+            if rotary_cos is not None:
+                k_b = apply_rotary(k_b, rotary_cos.cpu(), rotary_sin.cpu(), new_rows,
+                                   rotary_interleaved)
+                positions = length + (torch.arange(len_q) if advance
+                                      else torch.zeros(len_q, dtype=torch.long))
+                q_b = apply_rotary(q_b, rotary_cos.cpu(), rotary_sin.cpu(), positions,
+                                   rotary_interleaved)
+            k_cache[new_index] = k_b.to(k_cache.dtype)
+            v_cache[new_index] = v_b.to(v_cache.dtype)
+        keys = tuple(i[first:] for i in index)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        out, lse = flash_reference_attention(
+            q_b[None], k_cache[keys][None], v_cache[keys][None], causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=slopes, compute_dtype=compute_dtype)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses), k_cache, v_cache

@@ -117,6 +117,34 @@ struct ScoreModParams {
   int64_t alibi_batch_stride = 0;
 };
 
+// The KV cache of flash_attn_with_kvcache (seqlens != nullptr; else a dense or packed batch).
+// Sequence b's keys/values are rows [leftpad[b], seqlens[b] + seqlen_new) of its cache (the
+// seqlen_new appended rows included), so SequenceSpan's k_start is leftpad[b] and its len_kv
+// seqlens[b] + seqlen_new - leftpad[b]. Its cache is batch batch_idx[b] (or b) of k/v, or, paged
+// (block_table != nullptr), row r lives in page block_table[b * block_table_stride + r / page_size]
+// at row r % page_size, k/v being [num_pages, page_size, Hkv, D] with TensorStrides::batch the page
+// stride. Int32 arrays of B entries (block_table: B rows) on the kernels' device; nullptr: none.
+struct KVCacheParams {
+  const int32_t* seqlens = nullptr;
+  const int32_t* leftpad = nullptr;
+  const int32_t* batch_idx = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int64_t page_size = 0;
+  int64_t seqlen_new = 0;
+};
+
+// Split-KV ("flash-decoding", num_splits > 1): each (query tile, batch, head) block's key tiles are
+// cut into num_splits equal shares (split_share); share s writes its normalized fp32 partial out to
+// out_accum [num_splits, B, Hq, Lq, Dv] and its lse to lse_accum [num_splits, B, Hq, Lq]
+// (contiguous; -inf and zeros for a share without keys), and a combine step weighs the shares by
+// exp(lse_s - lse) into out and lse. The CPU kernels combine in registers (no accum buffers).
+struct SplitKVParams {
+  int32_t num_splits = 1;
+  float* out_accum = nullptr;
+  float* lse_accum = nullptr;
+};
+
 struct ForwardParams {
   AttentionShape shape;
   const void* q = nullptr;
@@ -133,6 +161,8 @@ struct ForwardParams {
   VarlenParams varlen;
   MaskParams mask;
   DropoutParams dropout;
+  KVCacheParams kvcache;
+  SplitKVParams split;
 };
 
 // Where sequence b of a batch starts (rows of q/out/lse, rows of k/v) and how long it is.
@@ -143,11 +173,87 @@ struct SequenceSpan {
   int64_t len_kv = 0;
 };
 
-FLASHV100_HOST_DEVICE inline SequenceSpan sequence_span(const ForwardParams& p, int64_t b) {
+// The span of a dense or packed batch, KV caches aside (what the backward kernels, which never
+// see a KV cache, use: they stay free of its branch).
+FLASHV100_HOST_DEVICE inline SequenceSpan batch_span(const ForwardParams& p, int64_t b) {
   if (p.varlen.cu_seqlens_q == nullptr) return SequenceSpan{0, 0, p.shape.len_q, p.shape.len_kv};
   const int64_t q0 = p.varlen.cu_seqlens_q[b], k0 = p.varlen.cu_seqlens_k[b];
   return SequenceSpan{q0, k0, p.varlen.cu_seqlens_q[b + 1] - q0,
                       p.varlen.cu_seqlens_k[b + 1] - k0};
+}
+
+FLASHV100_HOST_DEVICE inline SequenceSpan sequence_span(const ForwardParams& p, int64_t b) {
+  const KVCacheParams& c = p.kvcache;
+  if (c.seqlens == nullptr) return batch_span(p, b);
+  const int64_t first = c.leftpad != nullptr ? c.leftpad[b] : 0;
+  return SequenceSpan{0, first, p.shape.len_q, c.seqlens[b] + c.seqlen_new - first};
+}
+
+// Offset in elements of key/value row `row` (of the sequence's whole cache row range: k_start
+// included) of head `head` of sequence b, for tensors with strides `s` (KVCacheParams). Dense and
+// packed batches: b * s.batch + head * s.head + row * s.row.
+FLASHV100_HOST_DEVICE inline int64_t kv_row_offset(const KVCacheParams& c, const TensorStrides& s,
+                                                   int64_t b, int64_t head, int64_t row) {
+  if (c.block_table != nullptr) {
+    const int64_t page = c.block_table[b * c.block_table_stride + row / c.page_size];
+    return page * s.batch + head * s.head + (row % c.page_size) * s.row;
+  }
+  const int64_t batch = c.batch_idx != nullptr ? c.batch_idx[b] : b;
+  return batch * s.batch + head * s.head + row * s.row;
+}
+
+// What flash_attn_with_kvcache does before attending: rotary embedding of q (into q_rotated) and
+// of the new keys, and the new keys/values [B, seqlen_new, Hkv, D] written into the cache at rows
+// seqlens[b] .. seqlens[b] + seqlen_new - 1 (addressed by kv_row_offset). Rotary (rotary_dim > 0,
+// even, <= D): pairs (x[2i], x[2i + 1]) when interleaved, else (x[i], x[i + rotary_dim / 2]),
+// rotated by cos/sin row `position` ([seqlen_ro, rotary_dim / 2] contiguous, q's dtype): new key i
+// at position seqlens[b] + i, query row i at seqlens[b] + i when q_positions_advance (causal or
+// windowed attention), else at seqlens[b]; the dims past rotary_dim are copied. FlashAttention-2
+// positions are cache rows: a left padding shifts none of them.
+struct KVAppendParams {
+  KVCacheParams cache;
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, head_dim = 0, head_dim_v = 0;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  TensorStrides k_cache_strides, v_cache_strides;
+  const void* k_new = nullptr;  // nullptr: nothing to append (seqlen_new = 0)
+  const void* v_new = nullptr;
+  TensorStrides k_new_strides, v_new_strides;
+  const void* q = nullptr;
+  void* q_rotated = nullptr;  // nullptr: no rotary embedding
+  TensorStrides q_strides, q_rotated_strides;
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int64_t rotary_dim = 0;
+  bool rotary_interleaved = true;
+  bool q_positions_advance = false;
+};
+
+// Rotary embedding of element e < rotary_dim of a row (KVAppendParams): with c, s the cos/sin of
+// column `freq` of the position's row, it becomes x[e] * c - x[partner] * s when `first`, else
+// x[e] * c + x[partner] * s.
+struct RotaryPair {
+  int64_t partner, freq;
+  bool first;
+};
+FLASHV100_HOST_DEVICE inline RotaryPair rotary_pair(int64_t e, int64_t rotary_dim,
+                                                    bool interleaved) {
+  if (interleaved) return RotaryPair{e ^ 1, e / 2, (e & 1) == 0};
+  const int64_t half = rotary_dim / 2;
+  return e < half ? RotaryPair{e + half, e, true} : RotaryPair{e - half, e - half, false};
+}
+
+// The key blocks [first, last) of `blocks` consecutive ones that share `split` of `num_splits`
+// takes: equal shares of ceil(blocks / num_splits), the last ones possibly short or empty.
+struct BlockShare {
+  int64_t first, last;
+};
+FLASHV100_HOST_DEVICE inline BlockShare split_share(int64_t blocks, int64_t split,
+                                                   int64_t num_splits) {
+  const int64_t per = (blocks + num_splits - 1) / num_splits;
+  const int64_t first = split * per < blocks ? split * per : blocks;
+  const int64_t last = first + per < blocks ? first + per : blocks;
+  return BlockShare{first, last};
 }
 
 // |lse| from which lse = max + log(sum) carries log(sum) no better than to 2^-7 (fp32 spacing),

@@ -29,7 +29,9 @@ void parallel_over_blocks(int64_t batch, int64_t heads, int64_t length, int64_t 
 }
 
 // Rows [row_begin, row_end) of one (batch, query head); rows past the sequence's end (varlen
-// blocks sized by max_seqlen_q) do nothing. Key blocks no row of the block sees are skipped.
+// blocks sized by max_seqlen_q) do nothing. Key blocks no row of the block sees are skipped. With
+// split-KV, each share of the key blocks gives a normalized partial out and lse, combined in fixed
+// order with weights exp(lse_share - lse) (the CUDA combine's arithmetic).
 template <typename Scalar, typename Acc>
 void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_q,
                   int64_t row_begin, int64_t row_end) {
@@ -43,59 +45,98 @@ void forward_rows(const ForwardParams& p, Acc* lse, int64_t batch, int64_t head_
   const int64_t batch_head = batch * sh.heads_q + head_q;
   const bool dropout = p.dropout.p > 0.0f;
   const uint32_t threshold = dropout_threshold(p.dropout.p);
+  const Acc neg_inf = static_cast<Acc>(kNegInf);
 
   std::vector<Acc> q(rows * dim), k(kBlockKV * dim), v(kBlockKV * dim_v), scores(rows * kBlockKV),
       keep(kBlockKV);
-  std::vector<Acc> acc(rows * dim_v, Acc(0)), row_max(rows, static_cast<Acc>(kNegInf)),
-      row_sum(rows, Acc(0));
+  std::vector<Acc> acc(rows * dim_v), row_max(rows), row_sum(rows);
   load_rows<Scalar>(p.q, p.q_strides, batch, head_q, span.q_start + row_begin,
                     span.q_start + row_end, dim, q.data());
 
-  const KeyRange keys = visible_keys(p, span, row_begin, row_end);
-  for_each_key_block(keys, [&](int64_t col_begin, int64_t col_end) {
-    const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
-    load_rows<Scalar>(p.k, p.k_strides, batch, head_kv, span.k_start + t.col_begin,
-                      span.k_start + t.col_end, dim, k.data());
-    load_rows<Scalar>(p.v, p.v_strides, batch, head_kv, span.k_start + t.col_begin,
-                      span.k_start + t.col_end, dim_v, v.data());
-    tile_scores(p, span, t, q.data(), k.data(), scores.data());
+  // Normalized out (into acc) and lse of the rows over `keys`: zeros and -inf without any.
+  std::vector<Acc> row_lse(rows);
+  const auto attend = [&](const KeyRange& keys) {
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    std::fill(row_max.begin(), row_max.end(), neg_inf);
+    std::fill(row_sum.begin(), row_sum.end(), Acc(0));
+    for_each_key_block(keys, [&](int64_t col_begin, int64_t col_end) {
+      const Tile t{batch, head_q, head_kv, row_begin, row_end, col_begin, col_end};
+      load_kv_rows<Scalar>(p.k, p.k_strides, p.kvcache, batch, head_kv,
+                           span.k_start + t.col_begin, span.k_start + t.col_end, dim, k.data());
+      load_kv_rows<Scalar>(p.v, p.v_strides, p.kvcache, batch, head_kv,
+                           span.k_start + t.col_begin, span.k_start + t.col_end, dim_v, v.data());
+      tile_scores(p, span, t, q.data(), k.data(), scores.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const Acc* s = scores.data() + r * t.cols();
+        Acc new_max = row_max[r];
+        for (int64_t c = 0; c < t.cols(); ++c) new_max = std::max(new_max, s[c]);
+        if (new_max == neg_inf) continue;  // nothing visible yet in this row
+        const Acc correction = std::exp(row_max[r] - new_max);
+        Acc* out_row = acc.data() + r * dim_v;
+        row_sum[r] *= correction;
+        for (int64_t e = 0; e < dim_v; ++e) out_row[e] *= correction;
+        if (dropout) {
+          dropout_row_factors(p.dropout, threshold, batch_head, row_begin + r, t.col_begin,
+                              t.col_end, keep.data());
+        }
+        for (int64_t c = 0; c < t.cols(); ++c) {
+          Acc prob = std::exp(s[c] - new_max);
+          row_sum[r] += prob;
+          if (dropout) prob *= keep[c];
+          if (prob == Acc(0)) continue;
+          const Acc* v_row = v.data() + c * dim_v;
+          for (int64_t e = 0; e < dim_v; ++e) out_row[e] += prob * v_row[e];
+        }
+        row_max[r] = new_max;
+      }
+    });
     for (int64_t r = 0; r < rows; ++r) {
-      const Acc* s = scores.data() + r * t.cols();
-      Acc new_max = row_max[r];
-      for (int64_t c = 0; c < t.cols(); ++c) new_max = std::max(new_max, s[c]);
-      if (new_max == static_cast<Acc>(kNegInf)) continue;  // nothing visible yet in this row
-      const Acc correction = std::exp(row_max[r] - new_max);
-      Acc* out_row = acc.data() + r * dim_v;
-      row_sum[r] *= correction;
-      for (int64_t e = 0; e < dim_v; ++e) out_row[e] *= correction;
-      if (dropout) {
-        dropout_row_factors(p.dropout, threshold, batch_head, row_begin + r, t.col_begin,
-                            t.col_end, keep.data());
-      }
-      for (int64_t c = 0; c < t.cols(); ++c) {
-        Acc prob = std::exp(s[c] - new_max);
-        row_sum[r] += prob;
-        if (dropout) prob *= keep[c];
-        if (prob == Acc(0)) continue;
-        const Acc* v_row = v.data() + c * dim_v;
-        for (int64_t e = 0; e < dim_v; ++e) out_row[e] += prob * v_row[e];
-      }
-      row_max[r] = new_max;
+      const bool empty = row_sum[r] == Acc(0);  // every key hidden: zeros, as SDPA gives
+      const Acc inv_sum = empty ? Acc(0) : Acc(1) / row_sum[r];
+      for (int64_t e = 0; e < dim_v; ++e) acc[r * dim_v + e] *= inv_sum;
+      row_lse[r] = empty ? neg_inf : row_max[r] + std::log(row_sum[r]);
     }
-  });
+  };
+
+  const KeyRange keys = visible_keys(p, span, row_begin, row_end);
+  const int64_t splits = std::max<int64_t>(1, p.split.num_splits);
+  if (splits == 1) {
+    attend(keys);
+  } else {
+    std::vector<Acc> share_out(splits * rows * dim_v), share_lse(splits * rows);
+    for (int64_t split = 0; split < splits; ++split) {
+      attend(split_keys(keys, split, splits));
+      std::copy(acc.begin(), acc.end(), share_out.begin() + split * rows * dim_v);
+      std::copy(row_lse.begin(), row_lse.end(), share_lse.begin() + split * rows);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      Acc top = neg_inf;
+      for (int64_t split = 0; split < splits; ++split) top = std::max(top, share_lse[split * rows + r]);
+      Acc total = 0;
+      for (int64_t split = 0; split < splits; ++split)
+        total += top == neg_inf ? Acc(0) : std::exp(share_lse[split * rows + r] - top);
+      row_lse[r] = total == Acc(0) ? neg_inf : top + std::log(total);
+      Acc* out_row = acc.data() + r * dim_v;
+      std::fill(out_row, out_row + dim_v, Acc(0));
+      for (int64_t split = 0; split < splits; ++split) {
+        const Acc l = share_lse[split * rows + r];
+        if (l == neg_inf) continue;
+        const Acc weight = std::exp(l - row_lse[r]);
+        const Acc* part = share_out.data() + (split * rows + r) * dim_v;
+        for (int64_t e = 0; e < dim_v; ++e) out_row[e] += weight * part[e];
+      }
+    }
+  }
 
   Scalar* out = static_cast<Scalar*>(p.out) + batch * p.out_strides.batch +
                 head_q * p.out_strides.head;
   Acc* lse_rows = lse + lse_offset(p, span, batch, head_q);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row_begin + r;
-    const bool empty = row_sum[r] == Acc(0);  // every key hidden: zeros, as SDPA gives
-    const Acc inv_sum = empty ? Acc(0) : Acc(1) / row_sum[r];
     for (int64_t e = 0; e < dim_v; ++e) {
-      out[(span.q_start + row) * p.out_strides.row + e] =
-          static_cast<Scalar>(acc[r * dim_v + e] * inv_sum);
+      out[(span.q_start + row) * p.out_strides.row + e] = static_cast<Scalar>(acc[r * dim_v + e]);
     }
-    lse_rows[row] = empty ? static_cast<Acc>(kNegInf) : row_max[r] + std::log(row_sum[r]);
+    lse_rows[row] = row_lse[r];
   }
 }
 
@@ -468,9 +509,104 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t 
   return keep;
 }
 
+// One row of `dim` elements, rotated at cos/sin row `position` over its first rotary_dim
+// elements (rotary_dim 0: copied), written to dst in Scalar.
+template <typename Scalar, typename Acc>
+void rotate_row(const KVAppendParams& a, const Scalar* src, Scalar* dst, int64_t dim,
+                int64_t position) {
+  const int64_t half = a.rotary_dim / 2;
+  const Scalar* cos = static_cast<const Scalar*>(a.rotary_cos) + position * half;
+  const Scalar* sin = static_cast<const Scalar*>(a.rotary_sin) + position * half;
+  std::vector<Acc> rotated(dim);
+  for (int64_t e = 0; e < dim; ++e) {
+    const Acc x = static_cast<Acc>(src[e]);
+    if (e >= a.rotary_dim) {
+      rotated[e] = x;
+      continue;
+    }
+    const RotaryPair pair = rotary_pair(e, a.rotary_dim, a.rotary_interleaved);
+    const Acc c = static_cast<Acc>(cos[pair.freq]), sn = static_cast<Acc>(sin[pair.freq]);
+    const Acc y = static_cast<Acc>(src[pair.partner]);
+    rotated[e] = pair.first ? x * c - y * sn : x * c + y * sn;
+  }
+  for (int64_t e = 0; e < dim; ++e) dst[e] = static_cast<Scalar>(rotated[e]);
+}
+
+// KVAppendParams on the CPU: q rotated into q_rotated, new keys (rotated) and values written into
+// the cache.
+template <typename Scalar, typename Acc>
+void append_kv(const KVAppendParams& a) {
+  const KVCacheParams& c = a.cache;
+  const bool rotary = a.q_rotated != nullptr;
+  const auto row_ptr = [](const void* base, const TensorStrides& s, int64_t b, int64_t h,
+                          int64_t r) {
+    return static_cast<const Scalar*>(base) + b * s.batch + h * s.head + r * s.row;
+  };
+  if (rotary) {
+    at::parallel_for(0, a.batch * a.len_q, 1, [&](int64_t first, int64_t last) {
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t b = task / a.len_q, i = task % a.len_q;
+        const int64_t position = c.seqlens[b] + (a.q_positions_advance ? i : 0);
+        for (int64_t h = 0; h < a.heads_q; ++h) {
+          Scalar* dst = const_cast<Scalar*>(row_ptr(a.q_rotated, a.q_rotated_strides, b, h, i));
+          rotate_row<Scalar, Acc>(a, row_ptr(a.q, a.q_strides, b, h, i), dst, a.head_dim,
+                                  position);
+        }
+      }
+    });
+  }
+  if (a.k_new == nullptr) return;
+  KVAppendParams plain = a;
+  plain.rotary_dim = 0;  // values are never rotated
+  at::parallel_for(0, a.batch * c.seqlen_new, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / c.seqlen_new, i = task % c.seqlen_new;
+      const int64_t row = c.seqlens[b] + i;
+      for (int64_t h = 0; h < a.heads_kv; ++h) {
+        Scalar* k_dst = static_cast<Scalar*>(a.k_cache) + kv_row_offset(c, a.k_cache_strides, b, h, row);
+        Scalar* v_dst = static_cast<Scalar*>(a.v_cache) + kv_row_offset(c, a.v_cache_strides, b, h, row);
+        rotate_row<Scalar, Acc>(rotary ? a : plain, row_ptr(a.k_new, a.k_new_strides, b, h, i),
+                                k_dst, a.head_dim, row);
+        rotate_row<Scalar, Acc>(plain, row_ptr(a.v_new, a.v_new_strides, b, h, i), v_dst,
+                                a.head_dim_v, row);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> kvcache_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  const KVCacheArgs args{q,           k_cache,         v_cache,       k,
+                         v,           rotary_cos,      rotary_sin,    cache_seqlens,
+                         cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                         causal,      window_left,     window_right,  softcap,
+                         rotary_interleaved, alibi_slopes, num_splits};
+  check_kvcache_inputs("flashv100._kvcache_forward", args, /*check_values=*/true);
+  const at::Tensor q_rotated = rotary_cos.has_value() ? at::empty_like(q) : at::Tensor();
+  const KVAppendParams append = make_kvcache_append_params(args, q_rotated);
+  at::Tensor out = allocate_kvcache_out(args);
+  at::Tensor lse = allocate_kvcache_lse(args);
+  ForwardParams p = make_kvcache_forward_params(args, q_rotated.defined() ? q_rotated : q, out, lse);
+  // The CPU kernels split exactly as asked; 0 (the CUDA heuristic's choice) is one share here.
+  p.split.num_splits = static_cast<int32_t>(std::max<int64_t>(1, num_splits));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashv100_kvcache", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    append_kv<scalar_t, Acc>(append);
+    forward<scalar_t, Acc>(p, lse.data_ptr<Acc>());
+  });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashv100, CPU, m) {
+  m.impl("_kvcache_forward", TORCH_FN(kvcache_forward_cpu));
   m.impl("_attention_forward", TORCH_FN(attention_forward_cpu));
   m.impl("_attention_backward", TORCH_FN(attention_backward_cpu));
   m.impl("_flash_forward", TORCH_FN(flash_forward_cpu));

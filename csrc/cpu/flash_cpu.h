@@ -62,6 +62,18 @@ void for_each_key_block(const KeyRange& keys, F&& f) {
     f(begin, std::min(begin + kBlockKV, keys.end));
 }
 
+// The keys of share `split` of `num_splits` (SplitKVParams): the blocks f visits for `keys`,
+// split into equal shares of whole blocks.
+inline KeyRange split_keys(const KeyRange& keys, int64_t split, int64_t num_splits) {
+  if (num_splits <= 1 || keys.end <= keys.begin) return keys;
+  const int64_t first_block = keys.begin / kBlockKV;
+  const int64_t blocks = (keys.end + kBlockKV - 1) / kBlockKV - first_block;
+  const BlockShare share = split_share(blocks, split, num_splits);
+  const int64_t begin = std::max(keys.begin, (first_block + share.first) * kBlockKV);
+  const int64_t end = std::min(keys.end, (first_block + share.last) * kBlockKV);
+  return begin < end ? KeyRange{begin, end} : KeyRange{0, 0};  // {0, 0}: no block at all
+}
+
 // The keys any row of [row_begin, row_end) can see (a superset where rows' ranges have gaps).
 inline KeyRange visible_keys(const ForwardParams& p, const SequenceSpan& s, int64_t row_begin,
                              int64_t row_end) {
@@ -85,6 +97,18 @@ void load_rows(const void* base, const TensorStrides& s, int64_t batch, int64_t 
   const Scalar* src = static_cast<const Scalar*>(base) + batch * s.batch + head * s.head;
   for (int64_t r = begin; r < end; ++r) {
     const Scalar* row = src + r * s.row;
+    for (int64_t e = 0; e < dim; ++e) dst[(r - begin) * dim + e] = static_cast<Acc>(row[e]);
+  }
+}
+
+// load_rows for keys/values: rows [begin, end) of the sequence's cache rows (kv_row_offset: a
+// dense, packed, batch-indexed or paged cache).
+template <typename Scalar, typename Acc>
+void load_kv_rows(const void* base, const TensorStrides& s, const KVCacheParams& cache,
+                  int64_t batch, int64_t head, int64_t begin, int64_t end, int64_t dim, Acc* dst) {
+  const Scalar* src = static_cast<const Scalar*>(base);
+  for (int64_t r = begin; r < end; ++r) {
+    const Scalar* row = src + kv_row_offset(cache, s, batch, head, r);
     for (int64_t e = 0; e < dim; ++e) dst[(r - begin) * dim + e] = static_cast<Acc>(row[e]);
   }
 }

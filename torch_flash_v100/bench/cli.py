@@ -30,8 +30,10 @@ def best_device() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     suites = "; ".join(f"{n}: {d}" for n, (d, _, _) in SUITES.items())
-    p.add_argument("--suite", default="quick", choices=list(SUITES),
-                   help=f"configuration suite (default quick). {suites}")
+    p.add_argument("--suite", default="quick", choices=list(SUITES) + ["decode"],
+                   help=f"configuration suite (default quick). {suites}; decode: one token per "
+                        "sequence against a KV cache (flash_attn_with_kvcache vs SDPA, latency and "
+                        "GB/s; torch_flash_v100.bench.decode)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="input dtype (default fp16 on CUDA, fp32 on CPU)")
@@ -74,6 +76,15 @@ def run(args) -> int:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
         return 2
+    if args.suite == "decode":
+        from . import decode
+
+        json_path = args.json_path
+        if args.save and json_path is None:
+            json_path = results_dir() / f"decode_{torch.device(device).type}.json"
+        impl_names = [s.strip() for s in args.impls.split(",")] if args.impls else None
+        return decode.run_cli(device, json_path, impls=impl_names,
+                              repetitions=args.repetitions, progress=not args.no_progress)
     configs = get_suite(args.suite, device, args.dtype)
     repetitions = args.repetitions
     if repetitions is not None:

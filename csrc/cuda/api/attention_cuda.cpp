@@ -2,6 +2,7 @@
 // choice between the fused kernels (atom by compute capability) and the ATen math fallback.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
@@ -263,6 +264,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_cuda(
   return {grad_query, grad_key, grad_value};
 }
 
+std::tuple<at::Tensor, at::Tensor> kvcache_forward_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  constexpr const char* op = "flashv100._kvcache_forward";
+  const std::optional<at::Tensor> slopes = contiguous_or_none(alibi_slopes);
+  const KVCacheArgs args{q,           k_cache,         v_cache,       k,
+                         v,           rotary_cos,      rotary_sin,    cache_seqlens,
+                         cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                         causal,      window_left,     window_right,  softcap,
+                         rotary_interleaved, slopes,    num_splits};
+  const c10::cuda::CUDAGuard guard(q.device());
+  // Reading the index values is a device-to-host copy, which a capturing stream cannot do: a
+  // captured decode step trusts them (documented in flash_attn_with_kvcache).
+  const bool capturing =
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  check_kvcache_inputs(op, args, /*check_values=*/!capturing);
+  at::Tensor out = allocate_kvcache_out(args);
+  at::Tensor lse = allocate_kvcache_lse(args);
+  const MmaAtom atom = atom_of(q);
+  const FusedProblem problem{q.scalar_type(), q.size(3),  v_cache.size(3), q.size(1),
+                             args.capacity(), q.size(0) * q.size(2),
+                             q.size(0) * k_cache.size(2), false};
+  const char* reason = fused_unsupported_reason(atom, problem, {&q, &k_cache, &v_cache, &out});
+  TORCH_CHECK(reason == nullptr, op, ": the CUDA kernels (", mma_atom_name(atom),
+              ") cannot run this problem: ", reason, " (q ", q.scalar_type(), " ", q.sizes(),
+              ", k_cache ", k_cache.sizes(), "); fp16 (and bf16 on sm_80+) with head dims that "
+              "are multiples of 8 up to 256 and 16-byte aligned rows are supported");
+  const at::Tensor q_rotated = rotary_cos.has_value() ? at::empty_like(q) : at::Tensor();
+  run_kvcache_append(q.scalar_type(), make_kvcache_append_params(args, q_rotated));
+  if (q.numel() == 0) return {out, lse};
+  ForwardParams params =
+      make_kvcache_forward_params(args, q_rotated.defined() ? q_rotated : q, out, lse);
+  debug_log(op, mma_atom_name(atom), args.paged() ? "paged" : nullptr);
+  run_kvcache_forward(atom, q.scalar_type(), params, num_splits, q);
+  return {out, lse};
+}
+
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                              int64_t len_q, int64_t len_kv, double dropout_p) {
   check_dropout_p("flashv100._dropout_mask", dropout_p);
@@ -282,6 +325,7 @@ TORCH_LIBRARY_IMPL(flashv100, CUDA, m) {
   m.impl("_flash_forward", TORCH_FN(flash_forward_cuda));
   m.impl("_flash_backward", TORCH_FN(flash_backward_cuda));
   m.impl("_dropout_mask", TORCH_FN(dropout_mask_cuda));
+  m.impl("_kvcache_forward", TORCH_FN(kvcache_forward_cuda));
 }
 
 }  // namespace cuda

@@ -30,6 +30,17 @@ const char* fused_unsupported_reason(MmaAtom atom, const FusedProblem& problem,
 void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p);
 void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p);
 
+// flash_attn_with_kvcache: the rotary/append step (KVAppendParams), then the forward over the
+// updated cache with num_splits split-KV shares (0: FlashAttention-2's heuristic from the SM
+// count; 1: none) and, when split, the combine. `like`: a tensor on the device (for buffers).
+void run_kvcache_append(at::ScalarType dtype, const KVAppendParams& append);
+void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p, int64_t num_splits,
+                         const at::Tensor& like);
+// FlashAttention-2's split count: wave efficiency of batch_heads_mblocks * splits blocks on
+// num_sms slots, shares of num_n_blocks key blocks, at most max_splits.
+int num_splits_heuristic(int64_t batch_heads_mblocks, int64_t num_sms, int64_t num_n_blocks,
+                         int64_t max_splits);
+
 // Runs the mask pre-pass for masks broadcast over query rows and points p.mask.key_range at its
 // result (no-op otherwise). The returned buffer must outlive the launches that read it; the
 // caching allocator's stream order keeps it valid once they are enqueued.

@@ -17,6 +17,22 @@ __device__ __forceinline__ uint16_t* head_ptr(void* base, const TensorStrides& s
   return static_cast<uint16_t*>(base) + b * st.batch + h * st.head + row * st.row;
 }
 
+// The rows of one key/value head of a sequence in a paged KV cache (KVCacheParams), for a tile
+// whose row 0 is the sequence's cache row `first`: row r is row (first + r) % page_size of page
+// table[(first + r) / page_size].
+struct PagedRows {
+  const uint16_t* head;  // this head in page 0
+  const int32_t* table;  // the sequence's block_table row
+  int64_t page_stride, row_stride;
+  int page_size, first;
+
+  __device__ __forceinline__ const uint16_t* operator()(int r) const {
+    const int row = first + r;
+    return head + static_cast<int64_t>(__ldg(table + row / page_size)) * page_stride +
+           static_cast<int64_t>(row % page_size) * row_stride;
+  }
+};
+
 // Key j of a sequence is visible from its query i iff j < len_kv and lo <= j - i <= hi: causal
 // alignment and window of common/params.h (WindowParams) in one band. Unbounded sides are clamped
 // to values no (padded) tile reaches, so that they cost nothing beyond one compare.

@@ -266,7 +266,7 @@ __device__ __forceinline__ void recount_saturated_row(const BackwardParams& p, i
                                                       int64_t h, int i, int lane, float& base,
                                                       float& log2_norm) {
   const ForwardParams& f = p.fwd;
-  const SequenceSpan seq = sequence_span(f, b);
+  const SequenceSpan seq = batch_span(f, b);
   const BwdHead head(p, seq, b, h);
   const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
   const uint16_t* q = head_ptr(f.q, f.q_strides, b, h, seq.q_start + i);
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParam
   if (row >= f.shape.batch * f.shape.heads_q * f.shape.len_q) return;
   const int64_t bh = row / f.shape.len_q, i = row % f.shape.len_q;
   const int64_t b = bh / f.shape.heads_q, h = bh % f.shape.heads_q;
-  const SequenceSpan seq = sequence_span(f, b);
+  const SequenceSpan seq = batch_span(f, b);
   if (i >= seq.len_q) return;  // past this sequence's end (varlen)
   const uint16_t* g = head_ptr(p.dout, p.dout_strides, b, h, seq.q_start + i);
   const float d_row = warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, seq.q_start + i), g,
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const ForwardParams& f = p.fwd;
   const int n0 = blockIdx.x * kBlockN;
   const int64_t b = blockIdx.y / f.shape.heads_kv, hk = blockIdx.y % f.shape.heads_kv;
-  const SequenceSpan seq = sequence_span(f, b);
+  const SequenceSpan seq = batch_span(f, b);
   if (n0 >= seq.len_kv) return;  // past this sequence's end (varlen)
   const Visibility vis(f, seq);
   const int d = static_cast<int>(f.shape.head_dim);
@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   cp_async_wait_all();  // K and V when no query tile sees this key tile
 
   const int rows_valid = vis.len_kv - n0 - kv_r0;
-  const int64_t k_row = sequence_span(f, b).k_start + n0 + kv_r0;  // not kept over the loop
+  const int64_t k_row = batch_span(f, b).k_start + n0 + kv_r0;  // not kept over the loop
   store_accum_global<Elem>(dk, head_ptr(p.dk, p.dk_strides, b, hk, k_row) + kv_c0,
                            p.dk_strides.row, rows_valid, d - kv_c0, lane,
                            [&](int, int) { return scale; });
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const Dropout dropout(f.dropout);
   const int m0 = blockIdx.x * kBlockM;
   const int64_t b = blockIdx.y / f.shape.heads_q, h = blockIdx.y % f.shape.heads_q;
-  const SequenceSpan seq = sequence_span(f, b);
+  const SequenceSpan seq = batch_span(f, b);
   if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
   const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
   const BwdHead head(p, seq, b, h);
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
                                    MMajor{sm.k + q_c0, Cfg::kLdE}, kBlockN, n_extent - q_c0, lane);
   }
   cp_async_wait_all();  // Q and dO when no key is visible
-  const int64_t q_row = sequence_span(f, b).q_start + m0 + q_r0;  // not kept over the loop
+  const int64_t q_row = batch_span(f, b).q_start + m0 + q_r0;  // not kept over the loop
   store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, q_row) + q_c0,
                            p.dq_strides.row, head.vis.len_q - m0 - q_r0, d - q_c0, lane,
                            [&](int, int) { return scale; });
@@ -524,7 +524,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
   const int len_q = static_cast<int>(f.shape.len_q), d = static_cast<int>(f.shape.head_dim);
   const int m0 = blockIdx.x * Cfg::kBlockM;
   const int64_t b = blockIdx.y / f.shape.heads_q, h = blockIdx.y % f.shape.heads_q;
-  const SequenceSpan seq = sequence_span(f, b);
+  const SequenceSpan seq = batch_span(f, b);
   if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
   const float scale = static_cast<float>(f.scale);

@@ -9,7 +9,10 @@
 // softmax normalizes undropped P). Scores stay in natural-log units until exponentiation so that
 // finfo.min biases cannot overflow. Packed (varlen) batches: the grid covers the longest sequence
 // and the tiles past a sequence's end exit at once. Only the key tiles that the causal/window band
-// of the block's rows reaches are loaded and multiplied.
+// of the block's rows reaches are loaded and multiplied. KV caches (KVCacheParams): a sequence's
+// rows of a batch-indexed cache, or of pages (kPaged: rows addressed through the block table, one
+// index read per row of a tile). Split-KV (SplitKVParams): blockIdx.z takes its share of the key
+// tiles and writes a normalized fp32 partial out and its lse for the combine kernel.
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
@@ -18,10 +21,12 @@
 namespace flashv100 {
 namespace kern {
 
-// kVariant: with or without attn_mask, with or without dropout (configs.cuh).
-template <class Atom, class Elem, int kHeadDim, Variant kVariant>
+// kVariant: with or without attn_mask, with or without dropout (configs.cuh). kPaged: K/V in a
+// paged KV cache; those kernels ask ptxas for one resident block only (else it spills the general
+// variant's page addressing to fit a third; scripts/nvrtc_gate.py).
+template <class Atom, class Elem, int kHeadDim, Variant kVariant, bool kPaged = false>
 __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
-                                  FwdConfig<Atom, kHeadDim, kVariant>::kMinBlocks)
+                                  kPaged ? 1 : FwdConfig<Atom, kHeadDim, kVariant>::kMinBlocks)
     flash_fwd_kernel(const ForwardParams p) {
   using Cfg = FwdConfig<Atom, kHeadDim, kVariant>;
   constexpr bool kGeneral = Cfg::kGeneral, kDropout = Cfg::kDropout;
@@ -48,20 +53,44 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const SequenceSpan seq = sequence_span(p, b);
   if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
   const int64_t hk = kv_head_of(h, shape.heads_q, shape.heads_kv);
-  const uint16_t* k_head = head_ptr(p.k, p.k_strides, b, hk, seq.k_start);
-  const uint16_t* v_head = head_ptr(p.v, p.v_strides, b, hk, seq.k_start);
+  // Contiguous K/V rows start at one head pointer (a KV cache's batch is cache.batch_idx[b]);
+  // paged ones at the head's rows of page 0, which PagedRows offsets.
+  const KVCacheParams& cache = p.kvcache;
+  const int64_t kv_b = kPaged ? 0 : cache.batch_idx != nullptr ? cache.batch_idx[b] : b;
+  const int64_t kv_row0 = kPaged ? 0 : seq.k_start;
+  const uint16_t* k_head = head_ptr(p.k, p.k_strides, kv_b, hk, kv_row0);
+  const uint16_t* v_head = head_ptr(p.v, p.v_strides, kv_b, hk, kv_row0);
+  const int32_t* const page_table =
+      kPaged ? cache.block_table + b * cache.block_table_stride : nullptr;
+  const int first_row = static_cast<int>(seq.k_start);
+  const int page_size = static_cast<int>(cache.page_size);
+  const auto paged_rows = [=](const uint16_t* head, const TensorStrides& st, int n0) {
+    return PagedRows{head, page_table, st.batch, st.row, page_size, first_row + n0};
+  };
   const HeadMask mask(p.mask, b, h, shape.heads_q);
   // Keys a padding mask drops are never loaded or multiplied.
   const Visibility vis = Visibility(p, seq).keys_before(mask.key_end);
   const ScoreMod mods(p, seq, b, h);
   const Dropout dropout(p.dropout);
   // The key tiles the band of rows [m0, m0 + kBlockM) reaches (dropout needs them aligned).
-  const int key_begin = vis.key_begin(m0) / kBlockN * kBlockN;
-  const int key_end = vis.key_end(m0 + kBlockM);
+  int key_begin = vis.key_begin(m0) / kBlockN * kBlockN;
+  int key_end = vis.key_end(m0 + kBlockM);
+  if (p.split.num_splits > 1) {  // this split's share of the tiles (maybe none)
+    const int tiles = max(0, (key_end - key_begin + kBlockN - 1) / kBlockN);
+    const BlockShare share = split_share(tiles, blockIdx.z, p.split.num_splits);
+    key_end = min(key_end, key_begin + static_cast<int>(share.last) * kBlockN);
+    key_begin += static_cast<int>(share.first) * kBlockN;
+  }
 
   const auto stage_k = [&](int n0) {
-    stage_tile<Atom, kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
-                                                  p.k_strides.row, vis.len_kv - n0, d, tid);
+    if constexpr (kPaged) {
+      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK,
+                                                         paged_rows(k_head, p.k_strides, n0),
+                                                         k_head, vis.len_kv - n0, d, tid);
+    } else {
+      stage_tile<Atom, kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
+                                                    p.k_strides.row, vis.len_kv - n0, d, tid);
+    }
   };
   stage_tile<Atom, kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK,
                                                 head_ptr(p.q, p.q_strides, b, h, seq.q_start + m0),
@@ -97,9 +126,15 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   for (int n0 = key_begin; n0 < key_end; n0 += kBlockN) {
     cp_async_wait_all();
     __syncthreads();  // K (and Q) landed; every warp is done with the previous V
-    stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
-        sV, kVTransposed ? Cfg::kLdVt : Cfg::kLdQK, v_head + n0 * p.v_strides.row,
-        p.v_strides.row, vis.len_kv - n0, d, tid);
+    if constexpr (kPaged) {
+      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
+          sV, kVTransposed ? Cfg::kLdVt : Cfg::kLdQK, paged_rows(v_head, p.v_strides, n0), v_head,
+          vis.len_kv - n0, d, tid);
+    } else {
+      stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
+          sV, kVTransposed ? Cfg::kLdVt : Cfg::kLdQK, v_head + n0 * p.v_strides.row,
+          p.v_strides.row, vis.len_kv - n0, d, tid);
+    }
 
     SAcc s;
     s.zero();
@@ -179,7 +214,12 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   float inv_sum[kFragM][kSlots];
   const int rows_valid = vis.len_q - m0 - warp_row0;
   const int64_t row0 = seq.q_start + m0 + warp_row0;
-  float* const lse = p.lse + b * p.lse_layout.batch + h * p.lse_layout.head + row0;
+  // Split-KV: row (split, b, h, row0) of the contiguous partial buffers.
+  const bool split = p.split.num_splits > 1;
+  const int64_t part_row0 =
+      ((blockIdx.z * shape.batch + b) * shape.heads_q + h) * shape.len_q + row0;
+  float* const lse = split ? p.split.lse_accum + part_row0
+                           : p.lse + b * p.lse_layout.batch + h * p.lse_layout.head + row0;
 #pragma unroll
   for (int fm = 0; fm < kFragM; ++fm)
 #pragma unroll
@@ -191,9 +231,14 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
         lse[r] = l > 0.0f ? row_max[fm][sl] * ln_unit + logf(l) : neg_inf();
       }
     }
-  store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, row0),
-                           p.out_strides.row, rows_valid, d, lane,
-                           [&](int fm, int sl) { return inv_sum[fm][sl]; });
+  const auto row_scale = [&](int fm, int sl) { return inv_sum[fm][sl]; };
+  if (split) {
+    store_accum_global_f32(o, p.split.out_accum + part_row0 * shape.head_dim_v, shape.head_dim_v,
+                           rows_valid, d, lane, row_scale);
+  } else {
+    store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, row0), p.out_strides.row,
+                             rows_valid, d, lane, row_scale);
+  }
 }
 
 }  // namespace kern

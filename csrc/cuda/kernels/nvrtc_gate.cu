@@ -8,6 +8,7 @@
 #include "cuda/kernels/dropout_mask.cuh"
 #include "cuda/kernels/flash_bwd.cuh"
 #include "cuda/kernels/flash_fwd.cuh"
+#include "cuda/kernels/kvcache.cuh"
 #include "cuda/kernels/mask_key_range.cuh"
 
 namespace flashv100 {
@@ -21,7 +22,14 @@ namespace kern {
                                                                  const float*);              \
   template __global__ void flash_bwd_dq_convert_kernel<Atom, Elem, D, G>(const BackwardParams, \
                                                                          const float*);
+// Paged KV caches: the variants without mask and dropout (launch_forward.cu).
+#define FLASHV100_INSTANTIATE_PAGED(Atom, Elem, D)                                              \
+  template __global__ void flash_fwd_kernel<Atom, Elem, D, Variant::kPlain, true>(             \
+      const ForwardParams);                                                                    \
+  template __global__ void flash_fwd_kernel<Atom, Elem, D, Variant::kMasked, true>(            \
+      const ForwardParams);
 #define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)            \
+  FLASHV100_INSTANTIATE_PAGED(Atom, Elem, D)                      \
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kPlain)   \
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kMasked)  \
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kDropout) \
@@ -33,12 +41,16 @@ namespace kern {
 
 template __global__ void flash_bwd_dsum_kernel<Fp16, false>(const BackwardParams, float*);
 template __global__ void flash_bwd_dsum_kernel<Fp16, true>(const BackwardParams, float*);
+template __global__ void kvcache_append_kernel<Fp16>(const KVAppendParams);
+template __global__ void split_kv_combine_kernel<Fp16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_VOLTA_FP16)
 
 // The launcher picks the Ampere atom (and allows bf16) only on sm_80 and newer.
 #if __CUDA_ARCH__ >= 800
 template __global__ void flash_bwd_dsum_kernel<Bf16, false>(const BackwardParams, float*);
 template __global__ void flash_bwd_dsum_kernel<Bf16, true>(const BackwardParams, float*);
+template __global__ void kvcache_append_kernel<Bf16>(const KVAppendParams);
+template __global__ void split_kv_combine_kernel<Bf16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_BF16)
 #endif

@@ -24,15 +24,15 @@ __device__ __forceinline__ void for_each_tile_vector(int tid, F&& f) {
 
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global 16-bit matrix into a kRows x kCols
 // shared tile (row stride ld), zero-filling the rest so that padding contributes nothing to any
-// product. kTranspose stores the tile transposed (smem[col * ld + row]).
-template <int kRows, int kCols, int kThreads, bool kTranspose = false>
-__device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t* gmem,
-                                          int64_t row_stride, int rows_valid, int cols_valid,
-                                          int tid) {
+// product. Row r starts at row_ptr(r), called for valid rows only (paged caches: an index read).
+// kTranspose stores the tile transposed (smem[col * ld + row]).
+template <int kRows, int kCols, int kThreads, bool kTranspose = false, class RowPtr>
+__device__ __forceinline__ void load_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
+                                               int rows_valid, int cols_valid, int tid) {
   for_each_tile_vector<kRows, kCols, kThreads>(tid, [&](int r, int c) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (r < rows_valid && c < cols_valid)
-      v = __ldg(reinterpret_cast<const uint4*>(gmem + r * row_stride + c));
+      v = __ldg(reinterpret_cast<const uint4*>(row_ptr(r) + c));
     if constexpr (!kTranspose) {
       *reinterpret_cast<uint4*>(smem + r * ld + c) = v;
     } else {
@@ -46,15 +46,24 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
   });
 }
 
-// load_tile without the trip through registers: 16-byte cp.async copies (rows or columns past the
-// valid range are zero-filled by the copy itself), completed by cp_async_wait_all(). sm_80+ only.
-template <int kRows, int kCols, int kThreads>
-__device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const uint16_t* gmem,
-                                                int64_t row_stride, int rows_valid,
-                                                int cols_valid, int tid) {
+template <int kRows, int kCols, int kThreads, bool kTranspose = false>
+__device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t* gmem,
+                                          int64_t row_stride, int rows_valid, int cols_valid,
+                                          int tid) {
+  load_tile_rows<kRows, kCols, kThreads, kTranspose>(
+      smem, ld, [&](int r) { return gmem + r * row_stride; }, rows_valid, cols_valid, tid);
+}
+
+// load_tile_rows without the trip through registers: 16-byte cp.async copies (rows or columns past
+// the valid range are zero-filled by the copy itself, reading nothing at `fallback`), completed by
+// cp_async_wait_all(). sm_80+ only.
+template <int kRows, int kCols, int kThreads, class RowPtr>
+__device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
+                                                     const uint16_t* fallback, int rows_valid,
+                                                     int cols_valid, int tid) {
   for_each_tile_vector<kRows, kCols, kThreads>(tid, [&](int r, int c) {
     const bool valid = r < rows_valid && c < cols_valid;
-    const uint16_t* src = valid ? gmem + r * row_stride + c : gmem;
+    const uint16_t* src = valid ? row_ptr(r) + c : fallback;
 #if FLASHV100_SM80
     const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem + r * ld + c));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -69,6 +78,14 @@ __device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const ui
 #endif
 }
 
+template <int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const uint16_t* gmem,
+                                                int64_t row_stride, int rows_valid,
+                                                int cols_valid, int tid) {
+  load_tile_async_rows<kRows, kCols, kThreads>(
+      smem, ld, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
+}
+
 __device__ __forceinline__ void cp_async_wait_all() {
 #if FLASHV100_SM80
   asm volatile("cp.async.wait_all;\n" ::);
@@ -77,17 +94,25 @@ __device__ __forceinline__ void cp_async_wait_all() {
 
 // A tile for the atom's kernels: by cp.async where the GPU has it (landing after
 // cp_async_wait_all), else by plain loads (kTranspose: stored transposed, plain loads only).
+template <class Atom, int kRows, int kCols, int kThreads, bool kTranspose = false, class RowPtr>
+__device__ __forceinline__ void stage_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
+                                                const uint16_t* fallback, int rows_valid,
+                                                int cols_valid, int tid) {
+  if constexpr (Atom::kAsyncCopy && !kTranspose) {
+    load_tile_async_rows<kRows, kCols, kThreads>(smem, ld, row_ptr, fallback, rows_valid,
+                                                 cols_valid, tid);
+  } else {
+    load_tile_rows<kRows, kCols, kThreads, kTranspose>(smem, ld, row_ptr, rows_valid, cols_valid,
+                                                       tid);
+  }
+}
+
 template <class Atom, int kRows, int kCols, int kThreads, bool kTranspose = false>
 __device__ __forceinline__ void stage_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                            int64_t row_stride, int rows_valid, int cols_valid,
                                            int tid) {
-  if constexpr (Atom::kAsyncCopy && !kTranspose) {
-    load_tile_async<kRows, kCols, kThreads>(smem, ld, gmem, row_stride, rows_valid, cols_valid,
-                                            tid);
-  } else {
-    load_tile<kRows, kCols, kThreads, kTranspose>(smem, ld, gmem, row_stride, rows_valid,
-                                                  cols_valid, tid);
-  }
+  stage_tile_rows<Atom, kRows, kCols, kThreads, kTranspose>(
+      smem, ld, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
 }
 
 // Loads kRows floats of a per-row vector into shared memory (`fill` beyond n_valid).
@@ -116,6 +141,19 @@ __device__ __forceinline__ void store_accum_global(Acc& acc, uint16_t* gmem,
     if (r < rows_valid && c < cols_valid) {
       const float s = row_scale(fm, slot);
       *reinterpret_cast<uint32_t*>(gmem + r * row_stride + c) = pack2<Elem>(v0 * s, v1 * s);
+    }
+  });
+}
+
+// store_accum_global into an fp32 matrix (split-KV partial outputs).
+template <class Acc, class RowScale>
+__device__ __forceinline__ void store_accum_global_f32(Acc& acc, float* gmem, int64_t row_stride,
+                                                       int rows_valid, int cols_valid, int lane,
+                                                       RowScale row_scale) {
+  acc.for_each_pair(lane, [&](int fm, int slot, int r, int c, float v0, float v1) {
+    if (r < rows_valid && c < cols_valid) {
+      const float s = row_scale(fm, slot);
+      *reinterpret_cast<float2*>(gmem + r * row_stride + c) = make_float2(v0 * s, v1 * s);
     }
   });
 }

@@ -1,0 +1,106 @@
+// Launches of the KV-cache kernels (kernels/kvcache.cuh) and the split-KV driver around the
+// forward launch: split count, partial buffers, combine. On the current stream, no host sync.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cuda/api/dispatch.cuh"
+#include "cuda/api/launch.h"
+#include "cuda/kernels/kvcache.cuh"
+
+namespace flashv100 {
+namespace cuda {
+namespace {
+
+template <class F>
+void by_elem(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kHalf) {
+    f(kern::Fp16{});
+  } else {
+    f(kern::Bf16{});
+  }
+}
+
+}  // namespace
+
+int num_splits_heuristic(int64_t batch_heads_mblocks, int64_t num_sms, int64_t num_n_blocks,
+                         int64_t max_splits) {
+  // FlashAttention-2's: enough blocks to almost fill the GPU need no split; else the fewest
+  // splits within 85% of the best wave efficiency, skipping counts that give the same share size.
+  if (batch_heads_mblocks >= 0.8 * num_sms) return 1;
+  max_splits = std::min({max_splits, num_sms, num_n_blocks});
+  const auto ceil = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const auto eligible = [&](int64_t s) {
+    return s == 1 || ceil(num_n_blocks, s) != ceil(num_n_blocks, s - 1);
+  };
+  std::vector<double> efficiency(std::max<int64_t>(max_splits, 0) + 1, 0.0);
+  double best = 0.0;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    if (!eligible(s)) continue;
+    const double waves = static_cast<double>(batch_heads_mblocks * s) / num_sms;
+    efficiency[s] = waves / std::ceil(waves);
+    best = std::max(best, efficiency[s]);
+  }
+  for (int64_t s = 1; s <= max_splits; ++s)
+    if (eligible(s) && efficiency[s] >= 0.85 * best) return static_cast<int>(s);
+  return 1;
+}
+
+void run_kvcache_append(at::ScalarType dtype, const KVAppendParams& a) {
+  const int64_t q_count = a.q_rotated != nullptr ? a.batch * a.len_q * a.heads_q * a.head_dim : 0;
+  const int64_t kv_count =
+      a.k_new != nullptr ? a.batch * a.cache.seqlen_new * a.heads_kv * a.head_dim : 0;
+  const int64_t total = q_count + 2 * kv_count;
+  if (total == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  by_elem(dtype, [&](auto elem) {
+    const auto kernel = kern::kvcache_append_kernel<decltype(elem)>;
+    debug_kernel("kvcache_append", 0, "elementwise", 1, 1, kern::kAppendThreads, 0);
+    kernel<<<ceil_div(total, kern::kAppendThreads), kern::kAppendThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
+                         int64_t num_splits, const at::Tensor& like) {
+  const AttentionShape& sh = p.shape;
+  if (num_splits == 0) {
+    // FlashAttention-2's sizes: 64-row query blocks, 256 / 128 / 64-key shares by head dim, two
+    // 128-thread blocks per SM.
+    const int64_t block_n = sh.head_dim <= 64 ? 256 : sh.head_dim <= 128 ? 128 : 64;
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                          c10::cuda::current_device()));
+    num_splits = num_splits_heuristic(sh.batch * sh.heads_q * ceil_div(sh.len_q, 64), 2 * sms,
+                                      ceil_div(sh.len_kv, block_n), kern::kMaxSplits);
+  }
+  p.split.num_splits = static_cast<int32_t>(std::max<int64_t>(1, num_splits));
+  if (p.split.num_splits == 1) {
+    run_fused_forward(atom, dtype, p);
+    return;
+  }
+  // Released to the caching allocator after enqueueing; its stream order keeps them valid.
+  const int64_t rows = sh.batch * sh.heads_q * sh.len_q;
+  const at::Tensor lse_accum = at::empty({p.split.num_splits, rows}, like.options().dtype(at::kFloat));
+  const at::Tensor out_accum =
+      at::empty({p.split.num_splits, rows, sh.head_dim_v}, like.options().dtype(at::kFloat));
+  p.split.lse_accum = lse_accum.data_ptr<float>();
+  p.split.out_accum = out_accum.data_ptr<float>();
+  run_fused_forward(atom, dtype, p);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  by_elem(dtype, [&](auto elem) {
+    const auto kernel = kern::split_kv_combine_kernel<decltype(elem)>;
+    debug_kernel("split_kv_combine", static_cast<int>(sh.head_dim_v), "splits",
+                 p.split.num_splits, 1, kern::kCombineWarps * 32, 0);
+    kernel<<<ceil_div(rows, kern::kCombineWarps), kern::kCombineWarps * 32, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace cuda
+}  // namespace flashv100

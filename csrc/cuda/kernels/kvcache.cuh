@@ -1,0 +1,117 @@
+// The KV-cache kernels around the forward kernel (flash_attn_with_kvcache): the append step
+// before it (rotary embedding of q and of the new keys, new rows written into the cache,
+// KVAppendParams) and the split-KV combine after it (SplitKVParams). Both are memory-bound and
+// small next to the attention: one thread per element, one warp per query row.
+#pragma once
+
+#include "cuda/kernels/attention_common.cuh"
+
+namespace flashv100 {
+namespace kern {
+
+constexpr int kAppendThreads = 256;
+constexpr int kCombineWarps = 4;
+constexpr int kMaxSplits = 128;
+
+// Element e of a row at `src`, rotated at cos/sin row `position` if e < rotary_dim.
+template <class Elem>
+__device__ __forceinline__ float rotated_element(const KVAppendParams& a, const uint16_t* src,
+                                                 int64_t e, int64_t position) {
+  const float x = Elem::to_float(src[e]);
+  if (e >= a.rotary_dim) return x;
+  const RotaryPair pair = rotary_pair(e, a.rotary_dim, a.rotary_interleaved);
+  const int64_t at = position * (a.rotary_dim / 2) + pair.freq;
+  const float c = Elem::to_float(static_cast<const uint16_t*>(a.rotary_cos)[at]);
+  const float s = Elem::to_float(static_cast<const uint16_t*>(a.rotary_sin)[at]);
+  const float y = Elem::to_float(src[pair.partner]);
+  return pair.first ? x * c - y * s : x * c + y * s;
+}
+
+// Thread i handles element i of [rotated q | new keys | new values] (each [B, rows, heads, D],
+// the head dim fastest); the cache rows of the new keys/values come from kv_row_offset.
+template <class Elem>
+__global__ void __launch_bounds__(kAppendThreads) kvcache_append_kernel(const KVAppendParams a) {
+  const int64_t index = static_cast<int64_t>(blockIdx.x) * kAppendThreads + threadIdx.x;
+  const KVCacheParams& c = a.cache;
+  const int64_t q_count = a.q_rotated != nullptr ? a.batch * a.len_q * a.heads_q * a.head_dim : 0;
+  const int64_t kv_count = a.k_new != nullptr ? a.batch * c.seqlen_new * a.heads_kv * a.head_dim : 0;
+  if (index < q_count) {
+    const int64_t e = index % a.head_dim, t = index / a.head_dim;
+    const int64_t h = t % a.heads_q, i = (t / a.heads_q) % a.len_q, b = t / a.heads_q / a.len_q;
+    const int64_t position = c.seqlens[b] + (a.q_positions_advance ? i : 0);
+    const uint16_t* src = head_ptr(a.q, a.q_strides, b, h, i);
+    head_ptr(a.q_rotated, a.q_rotated_strides, b, h, i)[e] =
+        Elem::from_float(rotated_element<Elem>(a, src, e, position));
+    return;
+  }
+  const int64_t kv_index = index - q_count;
+  if (kv_index >= 2 * kv_count) return;
+  const bool is_key = kv_index < kv_count;
+  const int64_t local = is_key ? kv_index : kv_index - kv_count;
+  const int64_t e = local % a.head_dim, t = local / a.head_dim;
+  const int64_t h = t % a.heads_kv, i = (t / a.heads_kv) % c.seqlen_new;
+  const int64_t b = t / a.heads_kv / c.seqlen_new;
+  const int64_t row = c.seqlens[b] + i;
+  if (is_key) {
+    const uint16_t* src = head_ptr(a.k_new, a.k_new_strides, b, h, i);
+    const float x = a.q_rotated != nullptr ? rotated_element<Elem>(a, src, e, row)
+                                           : Elem::to_float(src[e]);
+    static_cast<uint16_t*>(a.k_cache)[kv_row_offset(c, a.k_cache_strides, b, h, row) + e] =
+        Elem::from_float(x);
+  } else {
+    static_cast<uint16_t*>(a.v_cache)[kv_row_offset(c, a.v_cache_strides, b, h, row) + e] =
+        head_ptr(a.v_new, a.v_new_strides, b, h, i)[e];
+  }
+}
+
+// One warp per query row (b, h, r) of the split problem: lse = log sum_s exp(lse_s), out =
+// sum_s exp(lse_s - lse) * out_s over the splits in order (deterministic; shares without keys
+// have lse_s = -inf and weigh nothing). Rows no split saw: out 0, lse -inf.
+template <class Elem>
+__global__ void __launch_bounds__(kCombineWarps * 32) split_kv_combine_kernel(const ForwardParams p) {
+  __shared__ float weights[kCombineWarps][kMaxSplits];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const AttentionShape& shape = p.shape;
+  const int64_t rows = shape.batch * shape.heads_q * shape.len_q;
+  const int64_t row_id = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
+  if (row_id >= rows) return;
+  const int splits = p.split.num_splits;
+  const float* lse_parts = p.split.lse_accum + row_id;
+  float top = neg_inf();
+  for (int s = lane; s < splits; s += 32) top = fmaxf(top, lse_parts[s * rows]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+  float total = 0.0f;
+  for (int s = lane; s < splits; s += 32) {
+    const float l = lse_parts[s * rows];
+    const float w = top == neg_inf() ? 0.0f : expf(l - top);
+    weights[warp][s] = w;
+    total += w;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    total += __shfl_xor_sync(0xffffffffu, total, offset);
+  __syncwarp();
+  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+  const int64_t r = row_id % shape.len_q, h = (row_id / shape.len_q) % shape.heads_q;
+  const int64_t b = row_id / shape.len_q / shape.heads_q;
+  if (lane == 0) {
+    p.lse[b * p.lse_layout.batch + h * p.lse_layout.head + r] =
+        total > 0.0f ? top + logf(total) : neg_inf();
+  }
+  const int64_t dim = shape.head_dim_v;
+  const float* out_parts = p.split.out_accum + row_id * dim;
+  uint16_t* out = head_ptr(p.out, p.out_strides, b, h, r);
+  for (int64_t e = lane; e < dim; e += 32) {
+    float acc = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = weights[warp][s];
+      if (w != 0.0f) acc += w * out_parts[s * rows * dim + e];
+    }
+    out[e] = Elem::from_float(acc * inv_total);
+  }
+}
+
+}  // namespace kern
+}  // namespace flashv100
