@@ -146,3 +146,14 @@ def test_ring_attention_checks_shapes(shapes, kwargs, message):
     q, k, v = (torch.randn(s) for s in shapes)
     with pytest.raises(ValueError, match=message):
         ring_attention(q, k, v, **kwargs)
+
+
+def test_package_import_leaves_dtensor_unimported():
+    # torch_flash_v100.distributed (DTensor rules) is opt-in: DTensor's import costs a second.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch_flash_v100; "
+            "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor imported'; "
+            "assert 'torch_flash_v100.distributed' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
