@@ -6,8 +6,6 @@ in full, with the fp64 reference too); a tiny attention block under ColwiseParal
 RowwiseParallel must match the unsharded block, output and every parameter's gradient.
 """
 
-import copy
-
 import pytest
 import torch
 
@@ -16,7 +14,8 @@ if not pytest.importorskip("torch_flash_v100.distributed").dtensor_rules_registe
     pytest.skip("this torch has no torch.distributed.tensor.experimental.register_sharding",
                 allow_module_level=True)
 
-from distributed_testing import assert_case_passed, run_cases, run_on_ranks  # noqa: E402
+from distributed_testing import (  # noqa: E402
+    assert_case_passed, check_tp_block, run_cases, run_on_ranks)
 
 FP64 = dict(atol=1e-12, rtol=1e-12)
 
@@ -148,54 +147,6 @@ def _flash_cases(mesh, generator):
     }
 
 
-class AttentionBlock(torch.nn.Module):
-    """q/k/v projections, causal GQA attention, output projection; heads from the local shape so
-    that it runs unsharded, on local shards and on DTensors alike."""
-
-    def __init__(self, d_model=16, heads=4, kv_heads=2):
-        super().__init__()
-        self.head_dim = d_model // heads
-        self.q = torch.nn.Linear(d_model, d_model)
-        self.k = torch.nn.Linear(d_model, kv_heads * self.head_dim)
-        self.v = torch.nn.Linear(d_model, kv_heads * self.head_dim)
-        self.out = torch.nn.Linear(d_model, d_model)
-
-    def forward(self, x):
-        import torch_flash_v100 as flash
-
-        batch, length, _ = x.shape
-        q, k, v = (proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q, self.k, self.v))
-        y = flash.attention(q, k, v, is_causal=True, enable_gqa=True)
-        self.seen_placements = [getattr(t, "placements", None) for t in (q, k, v, y)]
-        return self.out(y.transpose(1, 2).reshape(batch, length, -1))
-
-
-def _tp_block_case(mesh, use_local_output):
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    torch.manual_seed(3)
-    block = AttentionBlock().double()
-    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    sharded = parallelize_module(copy.deepcopy(block), mesh, {  # shards the same weights
-        **{name: ColwiseParallel(use_local_output=use_local_output) for name in "qkv"},
-        "out": RowwiseParallel(),
-    })
-    weight = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    out = block(x)
-    (out * weight).sum().backward()
-    sharded_out = sharded(x)
-    (sharded_out * weight).sum().backward()
-    torch.testing.assert_close(sharded_out, out, **FP64)
-    if not use_local_output:  # attention ran on head-sharded DTensors, its output sharded alike
-        assert sharded.seen_placements == [(Shard(1),)] * 4, sharded.seen_placements
-    for (name, p), (_, sp) in zip(block.named_parameters(), sharded.named_parameters()):
-        grad = sp.grad.full_tensor() if isinstance(sp.grad, DTensor) else sp.grad
-        torch.testing.assert_close(grad, p.grad, **FP64, msg=lambda m: f"grad of {name}: {m}")
-
-
 def _all_cases(rank, world_size):
     import torch_flash_v100.distributed  # noqa: F401  (registers the sharding rules)
     from torch.distributed.device_mesh import init_device_mesh
@@ -203,8 +154,8 @@ def _all_cases(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(0)  # the same inputs on every rank
     cases = {**_sdpa_cases(mesh, generator), **_flash_cases(mesh, generator)}
-    cases["tp-block-dtensor-attention"] = lambda: _tp_block_case(mesh, use_local_output=False)
-    cases["tp-block-local-attention"] = lambda: _tp_block_case(mesh, use_local_output=True)
+    cases["tp-block-dtensor-attention"] = lambda: check_tp_block(mesh, use_local_output=False)
+    cases["tp-block-local-attention"] = lambda: check_tp_block(mesh, use_local_output=True)
     return run_cases(cases)
 
 
