@@ -16,7 +16,7 @@ from .ring import LAYOUTS, ring_attention, shard_sequence, unshard_sequence
 
 
 def dtensor_rules_registered() -> bool:
-    """Whether the DTensor sharding rules of the flashv100 ops are registered (torch has the API)."""
+    """Whether the DTensor sharding rules of the flashv100 ops are registered (the API exists)."""
     return _tensor_parallel.available()
 
 
