@@ -70,7 +70,8 @@ def assert_case_passed(results: List[Dict[str, Optional[str]]], name: str) -> No
     assert not errors, "\n".join(errors)
 
 
-# A ring case: (dtype, is_causal, layout, heads_q, heads_kv, value dim, scale, grad of out.sum()).
+# A ring case: (dtype, is_causal, layout, heads_q, heads_kv, value dim, scale, sum): sum means
+# the gradient of out.sum() (stride 0) and strided [B, L, H, E]-major shards.
 def case_name(case) -> str:
     dtype, causal, layout, hq, hkv, ev, scale, sum_grad = case
     return (f"{str(dtype).split('.')[-1]}-{'causal' if causal else 'full'}-{layout}-h{hq}x{hkv}"
@@ -118,6 +119,8 @@ def check_ring_case(case, world_size, group=None, device="cpu"):
                               [t.to(dtype) for t in full], grad)
     reference = forward_backward(lambda *t: reference_attention(*t, **options), full, grad)
     shards = [shard_sequence(t.to(dtype), 2, group=group, layout=layout) for t in full]
+    if sum_grad:  # also strided shards: [B, L, H, E] tensors seen as [B, H, L, E]
+        shards = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in shards]
     ring = forward_backward(
         lambda *t: ring_attention(*t, group=group, layout=layout, **options), shards,
         shard_sequence(grad, 2, group=group, layout=layout))

@@ -14,7 +14,7 @@ from distributed_testing import (assert_case_passed, case_name, check_ring_case,
                                  run_on_ranks)
 from torch_flash_v100.distributed.ring import ring_attention
 
-# (dtype, is_causal, layout, heads_q, heads_kv, value dim, scale, grad of out.sum())
+# (dtype, is_causal, layout, heads_q, heads_kv, value dim, scale, sum: see distributed_testing.case_name)
 CASES = [
     (dtype, causal, layout, hq, hkv, 8, None, False)
     for dtype, causal, layout, (hq, hkv) in itertools.product(
@@ -22,7 +22,7 @@ CASES = [
         ((2, 2), (4, 2)))
 ] + [
     (torch.float64, True, "zigzag", 3, 1, 5, 0.3, False),    # MQA, Ev != E, explicit scale
-    (torch.float64, True, "contiguous", 2, 2, 8, None, True),  # expanded (stride-0) grad_out
+    (torch.float64, True, "contiguous", 2, 2, 8, None, True),  # strided shards and grad_out
     (torch.bfloat16, True, "zigzag", 4, 2, 8, None, False),
     (torch.float16, False, "contiguous", 2, 2, 8, None, False),
 ]

@@ -30,7 +30,11 @@ def _compare_sharded_run(fn, inputs, placements, mesh, expect_no_comm=True, out_
     (constants: (tensor, placement) pairs, not differentiated), forward and backward of
     out * weight, and compares out and every gradient in full."""
     from torch.distributed.tensor import distribute_tensor
-    from torch.distributed.tensor.debug import CommDebugMode
+
+    try:
+        from torch.distributed.tensor.debug import CommDebugMode
+    except ImportError:  # torch 2.5
+        from torch.distributed._tensor.debug import CommDebugMode
 
     plain = _leaves(*inputs)
     out = fn(*plain, *(t for t, _ in constants))

@@ -12,10 +12,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from torch_flash_v100.bench import e2e_distributed
 
 LAYERS = 2
+# FSDP2 on CPU needs gloo's reduce-scatter; checked with torch 2.13 (older versions: DDP only).
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+PARALLEL = ["ddp", "fsdp"] if TORCH >= (2, 13) else ["ddp"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def job(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "torch_flash_v100.bench.e2e_distributed", "--device", "cpu",
-         "--parallel", "ddp,fsdp", "--regimes", "eager+flashv100,compile+flashv100",
+         "--parallel", ",".join(PARALLEL), "--regimes", "eager+flashv100,compile+flashv100",
          "--compiler", "aot_eager", "--layers", str(LAYERS), "--steps", "3", "--timeout", "300",
          "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=900)
@@ -38,7 +42,7 @@ def test_job_succeeds(job):
     assert doc["ok"] and doc["world_size"] == 2
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", PARALLEL)
 @pytest.mark.parametrize("regime", ["eager+flashv100", "compile+flashv100"])
 def test_losses_match_one_process(job, parallel, regime):
     _, doc = job

@@ -227,9 +227,9 @@ class _RingAttention(torch.autograd.Function):
                 block_grads = key_half, dk, dv
             # The gradient accumulator of the block just computed comes from the previous rank
             # (which computed with it a step earlier) and moves on to the next one.
-            if grads_in_flight is None:
-                grad_key = torch.zeros_like(key, dtype=acc)
-                grad_value = torch.zeros_like(value, dtype=acc)
+            if grads_in_flight is None:  # contiguous, as sent (key may be a strided view)
+                grad_key = key.new_zeros(key.shape, dtype=acc)
+                grad_value = value.new_zeros(value.shape, dtype=acc)
             else:
                 grad_key, grad_value = grads_in_flight.wait()
             if block_grads is not None:
