@@ -86,7 +86,7 @@ def _tolerances(dtype):
             torch.float16: (dict(atol=4e-3, rtol=4e-3), dict(atol=5e-3, rtol=5e-3))}[dtype]
 
 
-def check_ring_case(case, world_size, group=None, device="cpu"):
+def check_ring_case(case, world_size, group=None, device="cpu", rows_per_rank=4):
     """Shards one full-sequence problem (the same on every rank) over the ranks, runs ring
     attention forward and backward, and compares the gathered output and gradients, every
     position, with single-process flashv100 attention and with the fp64 reference."""
@@ -96,7 +96,7 @@ def check_ring_case(case, world_size, group=None, device="cpu"):
 
     dtype, causal, layout, hq, hkv, ev, scale, sum_grad = case
     gqa = hq != hkv
-    length = 4 * world_size  # two chunks of two rows per rank in the zigzag layout
+    length = rows_per_rank * world_size  # zigzag: two chunks of rows_per_rank / 2 per rank
     # The same inputs on every rank (str hashes differ between processes).
     generator = torch.Generator().manual_seed(zlib.crc32(case_name(case).encode()))
     shapes = ((2, hq, length, 8), (2, hkv, length, 8), (2, hkv, length, ev))
