@@ -34,11 +34,18 @@ import torch.nn.functional as F
 from torch_flash_v100._measure import peak_memory_mb
 
 MODES = ["eager", "compile", "compile+flashv100"]
+ATTENTIONS = ("matmul", "flashv100")
 
 
 class Attention(nn.Module):
-    def __init__(self, d, heads, dropout):
+    """``attention="matmul"``: written out as models do (what the compile pass fuses);
+    ``"flashv100"``: calls ``torch_flash_v100.attention`` (the same math and parameters)."""
+
+    def __init__(self, d, heads, dropout, attention="matmul"):
         super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
+        self.attention = attention
         self.h, self.dh = heads, d // heads
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -48,6 +55,12 @@ class Attention(nn.Module):
     def forward(self, x, keep):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        if self.attention == "flashv100":
+            import torch_flash_v100
+
+            p = self.attn_drop.p if self.training else 0.0
+            y = torch_flash_v100.attention(q, k, v, attn_mask=keep, dropout_p=p)
+            return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.dh))
         att = att.masked_fill(~keep, float("-inf"))
         att = F.softmax(att, dim=-1)
@@ -57,10 +70,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, dropout):
+    def __init__(self, d, heads, dropout, attention="matmul"):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = Attention(d, heads, dropout)
+        self.attn = Attention(d, heads, dropout, attention)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
 
     def forward(self, x, keep):
@@ -69,12 +82,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, seq, d, heads, layers, dropout):
+    def __init__(self, vocab, seq, d, heads, layers, dropout, attention="matmul"):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq, d)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, dropout, attention) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
