@@ -322,7 +322,8 @@ def test_every_layer_runs_the_kernels(mode, monkeypatch):
             return function(*args, **kwargs)
         return wrapper
 
-    for function in ("flash_attn_func", "flash_attn_varlen_func", "_dense_attention"):
+    for function in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+                     "_dense_attention"):
         monkeypatch.setattr(backend, function, counting(getattr(backend, function)))
     model = _model(AutoModelForCausalLM, DECODERS[0][1], "cpu")
     model.set_attn_implementation(NAME)
@@ -336,9 +337,10 @@ def test_every_layer_runs_the_kernels(mode, monkeypatch):
     else:
         model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0,
                        cache_implementation="static", max_length=LENGTH + 2)
-        # the prefill, then one decode step over the first 12 of the 13 cache slots
+        # the prefill over the unpadded tokens, then one decode step on the cache's first 12
+        # keys in place (the kernels skip each row's left padding)
         assert calls == [("flash_attn_varlen_func", (LENGTH + 6, 2, 8))] * 2 + [
-            ("flash_attn_varlen_func", (LENGTH + 1 + 7, 2, 8))] * 2
+            ("flash_attn_with_kvcache", (2, LENGTH + 1, 2, 8))] * 2
 
 
 # fp16 on CUDA (the fused kernels take fp16 / bf16 only): head dim 64.

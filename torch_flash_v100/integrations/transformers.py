@@ -27,9 +27,10 @@ The attention weights are not computed (fused kernels never materialise them): t
 returns ``(attn_output, None)`` as transformers' own flash and SDPA backends do, so
 ``output_attentions=True`` gives ``None`` weights.
 
-Decoding with ``DynamicCache`` / ``StaticCache`` runs single-token steps on the same kernels
-(the key/value cache is one long key sequence); there is no split-KV decode kernel yet, so a
-decode step is one query row per (batch, head) spread over the key blocks of one program.
+Decoding with ``DynamicCache`` / ``StaticCache``: single-token steps of a left-padded batch (what
+``generate()`` makes) run ``flash_attn_with_kvcache`` on the keys where the cache holds them
+(``cache_leftpad`` skips each row's padding; split-KV decode kernels on CUDA, GQA heads packed
+into the rows of one tile); other steps run the varlen path over the unpadded tokens.
 
 Versions: transformers has ``AttentionInterface`` since 4.48 and ``AttentionMaskInterface``
 since 4.53; this backend needs the mask functions of transformers 5, which take ``q_length`` /
@@ -49,7 +50,7 @@ from typing import Optional
 import torch
 
 from .. import attention as _dense_attention
-from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __all__ = ["register", "attention_forward", "attention_mask", "DEFAULT_NAME"]
 
@@ -204,6 +205,24 @@ def _packed_cu_seqlens(sequence_ids: torch.Tensor):
     return cu, int(cu.diff().max())
 
 
+def _decode_step(query, key, value, padding, flash_kwargs):
+    """One new token per sequence against the cache (generate() after the prefill), or None.
+
+    With left padding only (row b's real keys are the last of the first n, the new token's among
+    them) the keys stay where the cache holds them: flash_attn_with_kvcache attends rows
+    [leftpad_b, n) of each row in place, on the split-KV decode kernels, with no unpadding copy.
+    """
+    if query.shape[1] != 1 or flash_kwargs["dropout_p"] > 0 or not bool(padding[:, -1].all()):
+        return None
+    if _has_holes(padding):
+        return None
+    n = padding.shape[1]
+    leftpad = (n - padding.sum(dim=1)).to(torch.int32)
+    kwargs = {k: v for k, v in flash_kwargs.items() if k != "dropout_p"}
+    return flash_attn_with_kvcache(query, key, value, cache_seqlens=n, cache_leftpad=leftpad,
+                                   causal=True, **kwargs)
+
+
 def _padded_varlen(query, key, value, padding, causal, flash_kwargs):
     """Attention over the real tokens of a padded batch (padding [B, n], True = real key)."""
     batch, len_q = query.shape[:2]
@@ -283,7 +302,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         cu, longest = _packed_cu_seqlens(attention_mask)
         packed = (cu, cu, longest, longest)
     elif attention_mask is not None:
-        return _padded_varlen(query, key, value, attention_mask, causal, flash_kwargs), None
+        out = _decode_step(query, key, value, attention_mask, flash_kwargs) if causal else None
+        if out is None:
+            out = _padded_varlen(query, key, value, attention_mask, causal, flash_kwargs)
+        return out, None
     elif (found := _packed_from_position_ids(position_ids, query, key)) is not None:
         cu, longest = found
         packed = (cu, cu, longest, longest)
