@@ -28,7 +28,18 @@ import os
 from typing import Any, Callable, Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+except ImportError:  # torch 2.5: plain callables as custom passes, and no cache-key helper
+    CustomGraphPass = object
+
+    def get_hash_for_files(paths, extra: str = "") -> bytes:
+        """What torch >= 2.6's helper of this name returns: sha256 over the files' contents."""
+        h = hashlib.sha256(extra.encode())
+        for path in paths:
+            with open(path, "rb") as f:
+                h.update(f.read())
+        return h.digest()
 
 from ._rewrite import AttentionRewriter, history, rewrite
 
