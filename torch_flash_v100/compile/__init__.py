@@ -96,7 +96,7 @@ def rewrite_module(gm: torch.fx.GraphModule, force: bool = False) -> int:
     for m in list(gm.modules()):
         if isinstance(m, torch.fx.GraphModule):
             rw = rewrite(m.graph, force=force)
-            if rw.fused:
+            if rw.fused or rw.shielded:
                 m.recompile()
             fused += rw.fused
     return fused
