@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import torch_flash_v100
-from torch_flash_v100.compile import FlashV100Pass, is_enabled
+from torch_flash_v100.compile import FlashV100Pass, history, is_enabled
 
 from compile_testing import DEVICE, qkv, reset
 
@@ -141,6 +141,69 @@ def test_fx_graph_cache_hit(enabled):
         assert hits >= 1, dict(counters["inductor"])
         assert "flashv100._attention_forward" in code2
         torch.testing.assert_close(out1, out2)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("path", ["enable", "backend"])
+def test_warm_cache_counts_and_logs_fused_sites(path, train, monkeypatch, tmp_path, caplog):
+    # a new process on a warm cache: Dynamo reset, the FX graph / AOTAutograd caches hit, and the
+    # counter, the log and history still say which sites were fused
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    caplog.set_level(logging.INFO, logger="torch_flash_v100.compile")
+    if path == "enable":
+        torch_flash_v100.enable(force=True)
+        compiler = torch.compile
+    else:
+        be = torch_flash_v100.backend(force=True)
+
+        def compiler(fn):
+            return torch.compile(fn, backend=be)
+    runs = []
+    try:
+        with iconfig.patch(fx_graph_cache=True), fconfig.patch(enable_autograd_cache=True):
+            for _ in ("cold", "warm"):
+                reset()
+                caplog.clear()
+                q, k, v, keep = _inputs(train)
+                out = compiler(attn)(q, k, v, keep)
+                if train:
+                    out.sum().backward()
+                torch.testing.assert_close(out, attn(q, k, v, keep), atol=2e-5, rtol=1e-4)
+                logged = [r.getMessage() for r in caplog.records
+                          if r.getMessage().startswith("flashv100: rewritten")]
+                runs.append((counters["flashv100"]["fused_attention"], len(logged),
+                             [h[1] for h in history],
+                             counters["inductor"]["fxgraph_cache_hit"]
+                             + counters["aot_autograd"]["autograd_cache_hit"]))
+    finally:
+        if path == "enable":
+            torch_flash_v100.disable()
+    (cold_fused, cold_logged, cold_history, cold_hits), (fused, logged, hist, hits) = runs
+    assert cold_hits == 0 and hits >= 1, runs
+    assert cold_fused == fused == 1 and cold_logged == logged == 1, runs
+    assert cold_history == hist == [True], runs
+
+
+def test_enable_runs_pre_grad_passes_on_cache_hits():
+    import torch._inductor.config as iconfig
+    if not hasattr(iconfig, "pre_grad_pass_timing"):
+        pytest.skip("torch < 2.13 always runs pre-grad passes before the cache lookup")
+    assert iconfig.pre_grad_pass_timing == "default"
+    torch_flash_v100.enable()
+    try:
+        assert iconfig.pre_grad_pass_timing == "early"
+    finally:
+        torch_flash_v100.disable()
+    assert iconfig.pre_grad_pass_timing == "default"
+    with iconfig.patch(pre_grad_pass_timing="late"):  # the user's choice stays
+        torch_flash_v100.enable()
+        try:
+            assert iconfig.pre_grad_pass_timing == "late"
+        finally:
+            torch_flash_v100.disable()
+        assert iconfig.pre_grad_pass_timing == "late"
 
 
 def test_dynamic_shapes_inductor(enabled):

@@ -18,6 +18,8 @@ Every rewritten site increments ``torch._dynamo.utils.counters["flashv100"]["fus
 Every softmax/SDPA site considered is logged on the ``torch_flash_v100.compile`` logger (INFO),
 with the reason when it is not rewritten; ``TORCH_LOGS=torch_flash_v100`` (or
 ``torch._logging.set_logs(modules={"torch_flash_v100": logging.INFO})``) turns that log on.
+Both also happen when Inductor's caches hit: the pass runs on every compile (see
+:func:`enable`).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def rewrite_module(gm: torch.fx.GraphModule, force: bool = False) -> int:
     for m in list(gm.modules()):
         if isinstance(m, torch.fx.GraphModule):
             rw = rewrite(m.graph, force=force)
-            if rw.fused:
+            if rw.fused or rw.shielded:
                 m.recompile()
             fused += rw.fused
     return fused
@@ -123,7 +125,9 @@ def enable(force: bool = False) -> None:
 
     Idempotent; calling it again with another ``force`` updates the setting.  An already set
     ``pre_grad_custom_pass`` keeps running (after ours).  Call before compiling: graphs compiled
-    earlier are not recompiled.
+    earlier are not recompiled.  On torch >= 2.13 it sets ``pre_grad_pass_timing`` to "early"
+    (if still "default") so that the counter and the log also cover FX graph / AOTAutograd
+    cache hits; :func:`disable` restores it.
     """
     cfg = _config()
     cur = cfg.pre_grad_custom_pass
@@ -132,11 +136,35 @@ def enable(force: bool = False) -> None:
             return
         cur = cur.previous
     cfg.pre_grad_custom_pass = FlashV100Pass(force=force, previous=cur)
+    _run_pre_grad_passes_on_cache_hits(cfg)
+
+
+# torch >= 2.13 runs pre-grad passes after the AOTAutograd cache lookup ("late") by default, so
+# on a warm cache the pass would not run and neither count nor log the sites it fused; "early"
+# runs them on every compile (the cache still hits: its key is taken after them).  Older torch
+# has no such setting and always runs them early.  A timing the user chose is left as it is.
+_TIMING = "pre_grad_pass_timing"
+_timing_set_by_enable = False
+
+
+def _run_pre_grad_passes_on_cache_hits(cfg) -> None:
+    global _timing_set_by_enable
+    if getattr(cfg, _TIMING, None) == "default":
+        setattr(cfg, _TIMING, "early")
+        _timing_set_by_enable = True
+
+
+def _restore_pre_grad_pass_timing(cfg) -> None:
+    global _timing_set_by_enable
+    if _timing_set_by_enable and getattr(cfg, _TIMING, None) == "early":
+        setattr(cfg, _TIMING, "default")
+    _timing_set_by_enable = False
 
 
 def disable() -> None:
     """Remove the pass installed by :func:`enable` (idempotent), restoring the previous pass."""
     cfg = _config()
+    _restore_pre_grad_pass_timing(cfg)
     cur = cfg.pre_grad_custom_pass
     if isinstance(cur, FlashV100Pass):
         cfg.pre_grad_custom_pass = cur.previous

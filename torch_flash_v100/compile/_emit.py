@@ -16,8 +16,8 @@ import torch
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx import Graph, Node
 
-from ._fx_nodes import is_pure, mutators, norm, shape, shapes_eq, sym_eq, val
-from ._match import Reject
+from ._fx_nodes import Op, is_pure, mutators, ndim, norm, shape, shapes_eq, sym_eq, val
+from ._match import Reject, nd_dim
 from ._plan import (AddTerm, FillTerm, FusedCall, GivenMask, SaturatedRows, ScaleAdded,
                     ScaleAddedByTensor)
 
@@ -293,3 +293,33 @@ def _replace(graph: Graph, old: Node, new: Node, chain: list, erased: set) -> No
         work.extend(n.all_input_nodes)
         graph.erase_node(n)
         erased.add(n)
+
+
+def softmax_to_last_dim(sm: Op, graph: Graph, key: str, erased: set, pos: dict) -> bool:
+    """Rewrite ``softmax(x, d)`` over a dim ``d`` that is not the last as
+    ``softmax(x.transpose(d, -1), -1).transpose(d, -1)``: the same values and gradients.
+
+    Inductor's attention patterns (``torch/_inductor/fx_passes/fuse_attention.py``) ignore the
+    softmax's dim, so they rewrite ``softmax(q @ k^T, dim=-2) @ v`` into SDPA (wrong values and
+    gradients in torch 2.13); with a transpose between the scores and the softmax no pattern
+    matches.  Returns whether the graph changed.
+    """
+    nd = ndim(sm.get("self"))
+    d = nd_dim(sm.get("dim"), nd) if nd is not None else None
+    if d is None or d == nd - 1:
+        return False
+    em = Emitter(graph, sm.node, key)
+    try:
+        xt = em(torch.transpose, (sm.get("self"), d, nd - 1))
+        dtype = sm.get("dtype")
+        p = em(torch.softmax, (xt, nd - 1), {"dtype": dtype} if dtype is not None else {})
+        out = em(torch.transpose, (p, d, nd - 1))
+    except Reject:
+        em.undo()
+        return False
+    sm.node.replace_all_uses_with(out)
+    graph.erase_node(sm.node)
+    erased.add(sm.node)
+    for n in em.created:
+        pos[n] = pos.get(sm.node, -1)
+    return True

@@ -12,11 +12,11 @@ import re
 import torch
 from torch.fx import Graph, Node
 
-from ._emit import emit, target_op
+from ._emit import emit, softmax_to_last_dim, target_op
 from ._fx_nodes import norm, val
 from ._masks import MaskFacts
 from ._match import Reject, match_sdpa, match_softmax
-from ._plan import FusedCall, plan_sdpa, plan_softmax
+from ._plan import FusedCall, device_supported, plan_sdpa, plan_softmax
 
 log = logging.getLogger("torch_flash_v100.compile")
 
@@ -72,6 +72,7 @@ class AttentionRewriter:
         self.erased: set = set()
         self.pos = {n: i for i, n in enumerate(graph.nodes)}
         self.fused = 0
+        self.shielded = 0  # softmaxes left alone but moved to the last dim (_shield_from_inductor)
         self.results: list[tuple[str, bool, str]] = []
 
     def run(self) -> int:
@@ -90,7 +91,11 @@ class AttentionRewriter:
                 _, mask = emit(call, self.graph, self.key, self.erased, self.pos)
                 how = describe(call, mask)
             except Reject as e:
-                self._not_fused(site, str(e), logging.INFO)
+                why = str(e)
+                if op.name == "softmax" and self._shield_from_inductor(op):
+                    why += ("; computed as a softmax over the last dim of a transposed view, "
+                            "out of reach of Inductor's attention patterns")
+                self._not_fused(site, why, logging.INFO)
                 continue
             except Exception as e:  # a bug of ours must not break the user's compile
                 self._not_fused(site, f"internal error in the matcher: {type(e).__name__}: {e}",
@@ -101,6 +106,17 @@ class AttentionRewriter:
             _counters()["flashv100"]["fused_attention"] += 1
             log.info("flashv100: rewritten: %s -> %s", site, how)
         return self.fused
+
+    def _shield_from_inductor(self, sm) -> bool:
+        """A softmax left alone over a dim that is not the last, where the pass owns attention:
+        Inductor's attention fusion, which runs after us, ignores the softmax dim (see
+        :func:`softmax_to_last_dim`)."""
+        if not device_supported(val(sm.get("self")), self.force)[0]:
+            return False
+        if not softmax_to_last_dim(sm, self.graph, self.key, self.erased, self.pos):
+            return False
+        self.shielded += 1
+        return True
 
     def _not_fused(self, site: str, why: str, level: int, exc_info: bool = False) -> None:
         self.results.append((site, False, why))
@@ -119,6 +135,6 @@ def rewrite(graph: Graph, force: bool = False) -> AttentionRewriter:
     rw.run()
     history.extend(rw.results)
     del history[:-10000]
-    if rw.fused:
+    if rw.fused or rw.shielded:
         graph.lint()
     return rw
