@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 
-import torch_flash_v100 as tfv
 from attention_testing import assert_fa2_close
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -22,19 +21,6 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 ops = torch.ops.flashv100
 CAUSAL = "causal"  # window spelling of causal=True in the parametrizations
-
-
-@pytest.fixture(params=[True, False], ids=["volta", "native"])
-def atom(request):
-    with tfv.volta_atom(request.param):
-        yield request.param
-
-
-@pytest.fixture(params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def dtype(request, atom):
-    if request.param == torch.bfloat16 and (atom or torch.cuda.get_device_capability()[0] < 8):
-        pytest.skip("bf16 runs on the native m16n8k16 atom only")
-    return request.param
 
 
 def randn(*shape, dtype, magnitude=1.0, seed=0):

@@ -16,25 +16,11 @@ import dataclasses
 import pytest
 import torch
 
-import torch_flash_v100 as tfv
 from torch_flash_v100.flash_attn_interface import flash_attn_with_kvcache
 from kvcache_testing import FEATURES, LAYOUTS, Case, check_case, make_inputs, run_case
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.cuda]
-
-
-@pytest.fixture(params=[True, False], ids=["volta", "native"])
-def atom(request):
-    with tfv.volta_atom(request.param):
-        yield request.param
-
-
-@pytest.fixture(params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def dtype(request, atom):
-    if request.param == torch.bfloat16 and (atom or torch.cuda.get_device_capability()[0] < 8):
-        pytest.skip("bf16 runs on the native m16n8k16 atom only")
-    return request.param
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
