@@ -177,6 +177,22 @@ int32_t effective_window(int64_t size, int64_t unbounded_from) {
   return size < 0 || size >= unbounded_from ? -1 : static_cast<int32_t>(size);
 }
 
+// FlashAttention-2's score rules of both FA2 ops: causal as a right window of 0, window sides that
+// cannot hide a key (past longest_k on the left, longest_q on the right) unbounded, softcap, ALiBi.
+void set_flash_score_rules(ForwardParams& p, bool causal, int64_t window_left,
+                           int64_t window_right, int64_t longest_q, int64_t longest_k,
+                           double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  p.window.left = effective_window(window_left, longest_k);
+  p.window.right = causal ? 0 : effective_window(window_right, longest_q);
+  p.causal = p.window.right == 0 ? CausalMode::kBottomRight : CausalMode::kNone;
+  p.score_mod.softcap = static_cast<float>(softcap);
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    p.score_mod.alibi_slopes = slopes.data_ptr<float>();
+    p.score_mod.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
+  }
+}
+
 }  // namespace
 
 void check_dropout_p(const char* op, double dropout_p) {
@@ -389,15 +405,8 @@ ForwardParams make_flash_forward_params(const FlashArgs& args, const at::Tensor&
   p.scale = args.softmax_scale;
   // Key j is hidden from row i iff j < i + shift - left (left >= len_kv: never) or
   // j > i + shift + right (right >= len_q - 1: never).
-  p.window.left = effective_window(args.window_left, args.max_seqlen_k);
-  p.window.right = args.causal ? 0 : effective_window(args.window_right, args.max_seqlen_q);
-  p.causal = p.window.right == 0 ? CausalMode::kBottomRight : CausalMode::kNone;
-  p.score_mod.softcap = static_cast<float>(args.softcap);
-  if (args.alibi_slopes.has_value()) {
-    const at::Tensor& slopes = *args.alibi_slopes;
-    p.score_mod.alibi_slopes = slopes.data_ptr<float>();
-    p.score_mod.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
-  }
+  set_flash_score_rules(p, args.causal, args.window_left, args.window_right, args.max_seqlen_q,
+                        args.max_seqlen_k, args.softcap, args.alibi_slopes);
   if (varlen) {
     p.varlen.cu_seqlens_q = args.cu_seqlens_q->data_ptr<int32_t>();
     p.varlen.cu_seqlens_k = args.cu_seqlens_k->data_ptr<int32_t>();
@@ -646,15 +655,8 @@ ForwardParams make_kvcache_forward_params(const KVCacheArgs& args, const at::Ten
   p.v_strides = flash_strides_of(args.v_cache, false);
   p.out_strides = flash_strides_of(out, false);
   p.scale = args.softmax_scale;
-  p.window.left = effective_window(args.window_left, args.capacity());
-  p.window.right = args.causal ? 0 : effective_window(args.window_right, len_q);
-  p.causal = p.window.right == 0 ? CausalMode::kBottomRight : CausalMode::kNone;
-  p.score_mod.softcap = static_cast<float>(args.softcap);
-  if (args.alibi_slopes.has_value()) {
-    const at::Tensor& slopes = *args.alibi_slopes;
-    p.score_mod.alibi_slopes = slopes.data_ptr<float>();
-    p.score_mod.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
-  }
+  set_flash_score_rules(p, args.causal, args.window_left, args.window_right, len_q,
+                        args.capacity(), args.softcap, args.alibi_slopes);
   p.kvcache = kvcache_params_of(args);
   // One query row sees every key of [0, len_kv) whatever causal and the right window say; with
   // no left window and no ALiBi (whose distances would change) the g = Hq / Hkv query heads of a
