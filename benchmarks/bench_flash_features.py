@@ -149,7 +149,9 @@ def cases(device: torch.device, tiny: bool) -> List[Case]:
                 _varlen_case(2, 16, [5, 40, 17], device, dtype),
                 _score_mod_case(1, 2, 48, 16, device, dtype, "softcap"),
                 _score_mod_case(1, 2, 48, 16, device, dtype, "alibi")]
-    out = [_window_case(2, 16, n, 64, 512, device, dtype) for n in (2048, 4096, 8192, 16384)]
+    # B * L = 16k tokens (one sequence from 16k on), windows of 512 and 4096 keys.
+    out = [_window_case(max(1, 16384 // n), 16, n, 64, w, device, dtype)
+           for w in (512, 4096) for n in (4096, 8192, 16384, 32768)]
     lengths = [int(x) for x in torch.randint(128, 4096, (16,), generator=torch.Generator().manual_seed(0))]
     out.append(_varlen_case(16, 64, lengths, device, dtype))
     out += [_score_mod_case(2, 16, 4096, 64, device, dtype, kind) for kind in ("softcap", "alibi")]
