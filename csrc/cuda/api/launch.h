@@ -28,6 +28,18 @@ const char* fused_unsupported_reason(MmaAtom atom, const FusedProblem& problem,
 
 // Fused kernels on the current stream of the tensors' device (the caller holds a device guard).
 void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p);
+
+// The forward's tile: query rows and keys per block, resident blocks per SM on this device.
+struct ForwardTiling {
+  int block_m, block_n, blocks_per_sm;
+};
+ForwardTiling fused_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
+// Whether p runs in the decode tile (few query rows, no dropout, an atom and head dim that have
+// one; kernels/configs.cuh), and that
+// tile's launch and tiling (launch_forward_decode.cu).
+bool uses_decode_tile(MmaAtom atom, const ForwardParams& p);
+void run_decode_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
+ForwardTiling decode_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
 void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p);
 
 // flash_attn_with_kvcache: the rotary/append step (KVAppendParams), then the forward over the

@@ -1,41 +1,31 @@
-// Forward launch: one block per (query tile, batch * query head, split), on the current stream.
-// Paged KV caches run the kPaged kernels, compiled for the variants a KV cache takes (no mask, no
-// dropout).
+// Forward launch: the decode tile for problems of few query rows (launch_forward_decode.cu),
+// else the prefill tile.
 #include <c10/cuda/CUDAStream.h>
 
-#include "cuda/api/dispatch.cuh"
-#include "cuda/api/launch.h"
-#include "cuda/kernels/flash_fwd.cuh"
+#include "cuda/api/forward_launch.cuh"
 
 namespace flashv100 {
 namespace cuda {
 
+bool uses_decode_tile(MmaAtom atom, const ForwardParams& p) {
+  const int bucket = kern::head_dim_bucket(static_cast<int>(p.shape.head_dim));
+  const bool tile = atom == MmaAtom::kVoltaM8N8K4 ? kern::has_decode_tile<kern::VoltaAtom>(bucket)
+                                                  : kern::has_decode_tile<kern::AmpereAtom>(bucket);
+  return tile && p.shape.len_q <= kern::kDecodeRows && !(p.dropout.p > 0.0f);
+}
+
 void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor key_range = attach_mask_key_ranges(p);
-  dispatch(atom, dtype, p.shape.head_dim, variant_of(p),
-           [&](auto atom_tag, auto elem_tag, auto dim, auto variant) {
-    constexpr int D = decltype(dim)::value;
-    constexpr kern::Variant V = decltype(variant)::value;
-    using Cfg = kern::FwdConfig<decltype(atom_tag), D, V>;
-    const auto launch = [&](auto kernel, const char* name) {
-      set_smem(kernel, Cfg::kSmemBytes);
-      debug_kernel(name, D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
-                   Cfg::kSmemBytes);
-      const dim3 grid(ceil_div(p.shape.len_q, Cfg::kBlockM), p.shape.batch * p.shape.heads_q,
-                      p.split.num_splits);
-      kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (p.kvcache.block_table == nullptr) {
-      launch(kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, V>, "flash_fwd");
-    } else if constexpr (V == kern::Variant::kPlain || V == kern::Variant::kMasked) {
-      launch(kern::flash_fwd_kernel<decltype(atom_tag), decltype(elem_tag), D, V, true>,
-             "flash_fwd (paged)");
-    } else {
-      TORCH_CHECK(false, "flashv100: paged KV caches take neither attn_mask nor dropout");
-    }
-  });
+  if (uses_decode_tile(atom, p)) {
+    run_decode_forward(atom, dtype, p);
+  } else {
+    launch_forward<kern::FwdShape::kPrefill>(atom, dtype, p);
+  }
+}
+
+ForwardTiling fused_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+  return uses_decode_tile(atom, p) ? decode_forward_tiling(atom, dtype, p)
+                             : forward_tiling<kern::FwdShape::kPrefill>(atom, dtype, p);
 }
 
 }  // namespace cuda

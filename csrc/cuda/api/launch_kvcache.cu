@@ -70,14 +70,15 @@ void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
                          int64_t num_splits, const at::Tensor& like) {
   const AttentionShape& sh = p.shape;
   if (num_splits == 0) {
-    // FlashAttention-2's sizes: 64-row query blocks, 256 / 128 / 64-key shares by head dim, two
-    // 128-thread blocks per SM.
-    const int64_t block_n = sh.head_dim <= 64 ? 256 : sh.head_dim <= 128 ? 128 : 64;
+    // FlashAttention-2's heuristic over the tile that runs: its query blocks, its key tiles, and
+    // as many slots per SM as blocks of it fit there.
+    const ForwardTiling tile = fused_forward_tiling(atom, dtype, p);
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
                                           c10::cuda::current_device()));
-    num_splits = num_splits_heuristic(sh.batch * sh.heads_q * ceil_div(sh.len_q, 64), 2 * sms,
-                                      ceil_div(sh.len_kv, block_n), kern::kMaxSplits);
+    num_splits = num_splits_heuristic(sh.batch * sh.heads_q * ceil_div(sh.len_q, tile.block_m),
+                                      static_cast<int64_t>(tile.blocks_per_sm) * sms,
+                                      ceil_div(sh.len_kv, tile.block_n), kern::kMaxSplits);
   }
   p.split.num_splits = static_cast<int32_t>(std::max<int64_t>(1, num_splits));
   if (p.split.num_splits == 1) {

@@ -40,13 +40,21 @@ constexpr __host__ __device__ const char* variant_name(Variant v) {
                                   : "mask+dropout";
 }
 
-// Forward: each warp owns kBlockM / kWarps query rows and the whole key tile.
+// Forward tile shapes. Prefill: query tiles over four warps. Decode, for problems of at most
+// kDecodeRows query rows per (batch, head) (decoding; GQA packs a KV group's query heads into the
+// rows): two warps of 16 rows and key tiles of at most 4096 elements, a small block of which many
+// fit per SM, so that enough K/V loads are in flight to stream the cache at memory bandwidth (a
+// prefill tile there leaves most rows empty: its MMAs on them alone would bound the speed).
+enum class FwdShape { kPrefill, kDecode };
+constexpr int kDecodeRows = 32;
+
+// Prefill: each warp owns kBlockM / kWarps query rows and the whole key tile.
 // Volta: 16 rows per warp (P staged through shared memory, 64K registers per SM). Atoms with P
 // in registers take 32 rows per warp up to head dim 64, and at head dim 128 in the plain variant,
 // so each K/V fragment feeds two MMAs. The other variants at head dim 128 (mask reads, Philox
 // calls) fit 32 keys only next to 16-row warp tiles, which measured 11-15% (mask) and 1.6x
 // (dropout) faster than 32-row tiles of 16 keys on the H200 (the plain variant 7% slower).
-template <class Atom, int kHeadDim, Variant kVariant>
+template <class Atom, int kHeadDim, Variant kVariant, FwdShape kShape = FwdShape::kPrefill>
 struct FwdTile {
   static constexpr bool kWide =
       Atom::kAccumIsA && (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
@@ -57,9 +65,27 @@ struct FwdTile {
   static constexpr int kBlockN = kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16;
 };
 
-template <class Atom, int kHeadDim_, Variant kVariant>
-struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant> {
-  using T = FwdTile<Atom, kHeadDim_, kVariant>;
+// Decode: 16 rows per warp; 64 keys per tile up to head dim 64, else 4096 elements, whose
+// staging by two warps fits their registers (scripts/nvrtc_gate.py).
+// The Volta atom's at head dim 256 would spill (its B fragments and transposed V staging): the
+// prefill tile runs there.
+template <class Atom>
+constexpr __host__ __device__ bool has_decode_tile(int head_dim_bucket) {
+  return !(Atom::kNativeArch < 800 && head_dim_bucket == 256);
+}
+template <class Atom, int kHeadDim, Variant kVariant>
+struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode> {
+  static_assert(!has_dropout(kVariant), "the decode tile takes no dropout");
+  static_assert(has_decode_tile<Atom>(kHeadDim), "no decode tile for this atom and head dim");
+  static constexpr bool kWide = false;
+  static constexpr int kWarps = 2;
+  static constexpr int kBlockM = kDecodeRows;
+  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : 4096 / kHeadDim;
+};
+
+template <class Atom, int kHeadDim_, Variant kVariant, FwdShape kShape = FwdShape::kPrefill>
+struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
+  using T = FwdTile<Atom, kHeadDim_, kVariant, kShape>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kGeneral = is_general(kVariant);
   static constexpr bool kDropout = has_dropout(kVariant);

@@ -23,12 +23,14 @@ namespace kern {
 
 // kVariant: with or without attn_mask, with or without dropout (configs.cuh). kPaged: K/V in a
 // paged KV cache; those kernels ask ptxas for one resident block only (else it spills the general
-// variant's page addressing to fit a third; scripts/nvrtc_gate.py).
-template <class Atom, class Elem, int kHeadDim, Variant kVariant, bool kPaged = false>
-__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant>::kThreads,
-                                  kPaged ? 1 : FwdConfig<Atom, kHeadDim, kVariant>::kMinBlocks)
+// variant's page addressing to fit a third; scripts/nvrtc_gate.py). kShape: the prefill or the
+// decode tile (configs.cuh).
+template <class Atom, class Elem, int kHeadDim, Variant kVariant, bool kPaged = false,
+          FwdShape kShape = FwdShape::kPrefill>
+__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::kThreads,
+                                  kPaged ? 1 : FwdConfig<Atom, kHeadDim, kVariant, kShape>::kMinBlocks)
     flash_fwd_kernel(const ForwardParams p) {
-  using Cfg = FwdConfig<Atom, kHeadDim, kVariant>;
+  using Cfg = FwdConfig<Atom, kHeadDim, kVariant, kShape>;
   constexpr bool kGeneral = Cfg::kGeneral, kDropout = Cfg::kDropout;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kWarpRows = Cfg::kWarpRows;

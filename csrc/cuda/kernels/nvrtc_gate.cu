@@ -28,6 +28,15 @@ namespace kern {
       const ForwardParams);                                                                    \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, Variant::kMasked, true>(            \
       const ForwardParams);
+// The decode tile: the variants without dropout, contiguous and paged (launch_forward_decode.cu).
+#define FLASHV100_INSTANTIATE_DECODE_VARIANT(Atom, Elem, D, G)                                  \
+  template __global__ void flash_fwd_kernel<Atom, Elem, D, G, false, FwdShape::kDecode>(       \
+      const ForwardParams);                                                                    \
+  template __global__ void flash_fwd_kernel<Atom, Elem, D, G, true, FwdShape::kDecode>(        \
+      const ForwardParams);
+#define FLASHV100_INSTANTIATE_DECODE(Atom, Elem, D)                     \
+  FLASHV100_INSTANTIATE_DECODE_VARIANT(Atom, Elem, D, Variant::kPlain)  \
+  FLASHV100_INSTANTIATE_DECODE_VARIANT(Atom, Elem, D, Variant::kMasked)
 #define FLASHV100_INSTANTIATE_ATTENTION(Atom, Elem, D)            \
   FLASHV100_INSTANTIATE_PAGED(Atom, Elem, D)                      \
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kPlain)   \
@@ -35,15 +44,22 @@ namespace kern {
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kDropout) \
   FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, Variant::kMaskedDropout)
 
+// The Volta atom has no decode tile at head dim 256 (configs.cuh, has_decode_tile).
 #define FLASHV100_INSTANTIATE_VOLTA_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(VoltaAtom, Fp16, D)
-#define FLASHV100_INSTANTIATE_AMPERE_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Fp16, D)
-#define FLASHV100_INSTANTIATE_AMPERE_BF16(D) FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Bf16, D)
+#define FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(D) FLASHV100_INSTANTIATE_DECODE(VoltaAtom, Fp16, D)
+#define FLASHV100_INSTANTIATE_AMPERE_FP16(D) \
+  FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Fp16, D) FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Fp16, D)
+#define FLASHV100_INSTANTIATE_AMPERE_BF16(D) \
+  FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Bf16, D) FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Bf16, D)
 
 template __global__ void flash_bwd_dsum_kernel<Fp16, false>(const BackwardParams, float*);
 template __global__ void flash_bwd_dsum_kernel<Fp16, true>(const BackwardParams, float*);
 template __global__ void kvcache_append_kernel<Fp16>(const KVAppendParams);
 template __global__ void split_kv_combine_kernel<Fp16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_VOLTA_FP16)
+FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(32)
+FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(64)
+FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(128)
 
 // The launcher picks the Ampere atom (and allows bf16) only on sm_80 and newer.
 #if __CUDA_ARCH__ >= 800

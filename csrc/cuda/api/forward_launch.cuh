@@ -1,0 +1,94 @@
+// The forward kernel of a problem in one tile shape (kernels/configs.cuh): dispatch over atom,
+// dtype, head dim and variant, and the contiguous or paged kernel. Included by the launch units of
+// each shape (launch_forward.cu: prefill; launch_forward_decode.cu: decode), which compile apart.
+#pragma once
+
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+
+#include "cuda/api/dispatch.cuh"
+#include "cuda/api/launch.h"
+#include "cuda/kernels/flash_fwd.cuh"
+
+namespace flashv100 {
+namespace cuda {
+
+// Calls f(kernel, Cfg{}, name) with the kernel of shape S that runs p and its configuration.
+// Paged KV caches run the kPaged kernels, compiled for the variants a KV cache takes (no mask, no
+// dropout); the decode tile takes no dropout and exists where has_decode_tile (uses_decode_tile).
+template <kern::FwdShape S, class F>
+void with_forward_kernel(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p, F&& f) {
+  constexpr bool kDecode = S == kern::FwdShape::kDecode;
+  const bool paged = p.kvcache.block_table != nullptr;
+  dispatch(atom, dtype, p.shape.head_dim, variant_of(p),
+           [&](auto atom_tag, auto elem_tag, auto dim, auto variant) {
+    using A = decltype(atom_tag);
+    using E = decltype(elem_tag);
+    constexpr int D = decltype(dim)::value;
+    constexpr kern::Variant V = decltype(variant)::value;
+    if constexpr (kDecode && !kern::has_decode_tile<A>(D)) {
+      TORCH_CHECK(false, "flashv100: no decode tile for head dim ", D, " on this atom");
+    } else if constexpr (V == kern::Variant::kPlain || V == kern::Variant::kMasked) {
+      if (paged) {
+        f(kern::flash_fwd_kernel<A, E, D, V, true, S>, kern::FwdConfig<A, D, V, S>{},
+          kDecode ? "flash_fwd (decode, paged)" : "flash_fwd (paged)");
+      } else {
+        f(kern::flash_fwd_kernel<A, E, D, V, false, S>, kern::FwdConfig<A, D, V, S>{},
+          kDecode ? "flash_fwd (decode)" : "flash_fwd");
+      }
+    } else if constexpr (!kDecode) {
+      TORCH_CHECK(!paged, "flashv100: paged KV caches take neither attn_mask nor dropout");
+      f(kern::flash_fwd_kernel<A, E, D, V>, kern::FwdConfig<A, D, V>{}, "flash_fwd");
+    } else {
+      TORCH_CHECK(false, "flashv100: the decode tile takes no dropout");
+    }
+  });
+}
+
+// Launches p with shape S on the current stream: one block per (query tile, batch * query head,
+// split).
+template <kern::FwdShape S>
+void launch_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  with_forward_kernel<S>(atom, dtype, p, [&](auto kernel, auto cfg, const char* name) {
+    using Cfg = decltype(cfg);
+    set_smem(kernel, Cfg::kSmemBytes);
+    debug_kernel(name, Cfg::kHeadDim, kern::variant_name(variant_of(p)), Cfg::kBlockM,
+                 Cfg::kBlockN, Cfg::kThreads, Cfg::kSmemBytes);
+    const dim3 grid(ceil_div(p.shape.len_q, Cfg::kBlockM), p.shape.batch * p.shape.heads_q,
+                    p.split.num_splits);
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// The tiling of p's kernel of shape S, with its resident blocks per SM on the current device
+// (asked of the runtime once per kernel and device: decode steps call this every token).
+template <kern::FwdShape S>
+ForwardTiling forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+  ForwardTiling t{};
+  with_forward_kernel<S>(atom, dtype, p, [&](auto kernel, auto cfg, const char*) {
+    using Cfg = decltype(cfg);
+    static std::array<std::atomic<int>, 64> blocks_on_device{};  // 0: not asked yet
+    const int device = c10::cuda::current_device();
+    TORCH_CHECK(device < static_cast<int>(blocks_on_device.size()), "flashv100: device index ",
+                device, " beyond ", blocks_on_device.size());
+    int blocks = blocks_on_device[device].load(std::memory_order_relaxed);
+    if (blocks == 0) {
+      set_smem(kernel, Cfg::kSmemBytes);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads,
+                                                                   Cfg::kSmemBytes));
+      blocks = std::max(blocks, 1);
+      blocks_on_device[device].store(blocks, std::memory_order_relaxed);
+    }
+    t = ForwardTiling{Cfg::kBlockM, Cfg::kBlockN, blocks};
+  });
+  return t;
+}
+
+}  // namespace cuda
+}  // namespace flashv100
