@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from torch_flash_v100.bench.harness import collect_metadata
 from torch_flash_v100.reference import naive_attention
 
 __all__ = ["DecodeConfig", "decode_configs", "run_decode", "markdown", "DECODE_IMPLS"]
@@ -252,6 +253,7 @@ def run_decode(configs: List[DecodeConfig], device="cuda", *, impls: Optional[Li
                 torch.cuda.empty_cache()
     return {
         "metadata": {"suite": "decode", "device": name, "torch": torch.__version__,
+                     "commit": collect_metadata(device)["git_commit"],
                      "hbm_copy_gbps": bandwidth / 1e9, "hbm_copy_bytes": hbm_copy_bytes,
                      "max_kv_bytes": max_kv_bytes, "repetitions": reps,
                      "elapsed_s": time.time() - started},
@@ -262,7 +264,7 @@ def run_decode(configs: List[DecodeConfig], device="cuda", *, impls: Optional[Li
 def markdown(doc: dict) -> str:
     meta = doc["metadata"]
     lines = [f"# Decode: one token per sequence against a KV cache ({meta['device']})", "",
-             f"torch {meta['torch']}; HBM copy bandwidth {meta['hbm_copy_gbps']:.0f} GB/s "
+             f"torch {meta['torch']}, commit {str(meta.get('commit'))[:10]}; HBM copy bandwidth {meta['hbm_copy_gbps']:.0f} GB/s "
              f"(read + write); median of {meta['repetitions']} steps, L2 flushed before each.",
              "", "| configuration | implementation | time (us) | GB/s (K/V read) | of HBM |",
              "|---|---|---:|---:|---:|"]
