@@ -17,6 +17,13 @@ def device(request):
     return request.param
 
 
+@pytest.fixture(params=[True, False], ids=["volta", "native"])
+def atom(request):
+    """CUDA cases on both tensor-core atoms (the Volta one forced on newer GPUs)."""
+    with torch_flash_v100.volta_atom(request.param):
+        yield request.param
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "device" in getattr(item, "fixturenames", ()) and "[cuda" in item.nodeid:

@@ -356,7 +356,7 @@ CUDA_DECODERS = [
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name,config", CUDA_DECODERS, ids=[d[0] for d in CUDA_DECODERS])
-def test_cuda_fp16_matches_eager_fp32(name, config):
+def test_cuda_fp16_matches_eager_fp32(name, config, atom):
     model = _model(AutoModelForCausalLM, config, "cuda")
     ids, mask = _padded_batch("left", "cuda")
     keep = mask.bool()

@@ -1,14 +1,7 @@
-"""Fixtures of the GPU tests: each case on both tensor-core atoms, in each 16-bit dtype."""
+"""Fixtures of the GPU tests: each case in each 16-bit dtype, on both tensor-core atoms (the
+`atom` fixture of tests/conftest.py)."""
 import pytest
 import torch
-
-import torch_flash_v100 as tfv
-
-
-@pytest.fixture(params=[True, False], ids=["volta", "native"])
-def atom(request):
-    with tfv.volta_atom(request.param):
-        yield request.param
 
 
 @pytest.fixture(params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
