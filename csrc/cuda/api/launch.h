@@ -35,8 +35,7 @@ struct ForwardTiling {
 };
 ForwardTiling fused_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
 // Whether p runs in the decode tile (few query rows, no dropout, an atom and head dim that have
-// one; kernels/configs.cuh), and that
-// tile's launch and tiling (launch_forward_decode.cu).
+// one; kernels/configs.cuh), and that tile's launch and tiling (launch_forward_decode.cu).
 bool uses_decode_tile(MmaAtom atom, const ForwardParams& p);
 void run_decode_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
 ForwardTiling decode_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);

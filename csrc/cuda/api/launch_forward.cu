@@ -25,7 +25,7 @@ void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p) {
 
 ForwardTiling fused_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
   return uses_decode_tile(atom, p) ? decode_forward_tiling(atom, dtype, p)
-                             : forward_tiling<kern::FwdShape::kPrefill>(atom, dtype, p);
+                                   : forward_tiling<kern::FwdShape::kPrefill>(atom, dtype, p);
 }
 
 }  // namespace cuda

@@ -65,14 +65,15 @@ struct FwdTile {
   static constexpr int kBlockN = kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16;
 };
 
-// Decode: 16 rows per warp; 64 keys per tile up to head dim 64, else 4096 elements, whose
-// staging by two warps fits their registers (scripts/nvrtc_gate.py).
-// The Volta atom's at head dim 256 would spill (its B fragments and transposed V staging): the
-// prefill tile runs there.
+// The Volta atom's decode tile at head dim 256 would spill (its B fragments and transposed V
+// staging): the prefill tile runs there.
 template <class Atom>
 constexpr __host__ __device__ bool has_decode_tile(int head_dim_bucket) {
   return !(Atom::kNativeArch < 800 && head_dim_bucket == 256);
 }
+
+// Decode: 16 rows per warp; 64 keys per tile up to head dim 64, else 4096 elements, whose
+// staging by two warps fits their registers (scripts/nvrtc_gate.py).
 template <class Atom, int kHeadDim, Variant kVariant>
 struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode> {
   static_assert(!has_dropout(kVariant), "the decode tile takes no dropout");
