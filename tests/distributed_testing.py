@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import os
+import sys
 import tempfile
 import traceback
 import zlib
@@ -24,18 +26,46 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
+# A rank still running after this long is taken as hung: it writes its Python stack and exits, so
+# that the test fails showing where it stopped instead of stalling the suite.
+RANK_TIMEOUT_S = 900
+
+
 def _entry(rank: int, fn: Callable, world_size: int, backend: str, init_file: str,
            result_dir: str, args: tuple) -> None:
+    stack_file = open(os.path.join(result_dir, f"{rank}.stack"), "w")
+    faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True, file=stack_file)
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    status = 0
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(result_dir, f"{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        status = 1
+    # Ends the process without tearing the process groups down: torch 2.5's gloo deadlocks there
+    # now and then (~ProcessGroupGloo joins a worker thread that frees finished work, which needs
+    # the GIL its caller holds). The result or the error is on disk already.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _rank_reports(result_dir: str, world_size: int) -> str:
+    """Each rank's traceback, or its stack where it was stopped as hung."""
+    reports = []
+    for rank in range(world_size):
+        for kind in ("error", "stack"):
+            path = os.path.join(result_dir, f"{rank}.{kind}")
+            text = open(path).read() if os.path.exists(path) else ""
+            if text:
+                reports.append(f"rank {rank} {kind}:\n{text}")
+    return "\n".join(reports)
 
 
 def run_on_ranks(fn: Callable, world_size: int = 2, *args: Any, backend: str = "gloo") -> List[Any]:
@@ -43,9 +73,13 @@ def run_on_ranks(fn: Callable, world_size: int = 2, *args: Any, backend: str = "
     rank's result (picklable). ``fn`` must be importable by name (defined at module level)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.start_processes(_entry, args=(fn, world_size, backend, init_file, tmp, args),
-                           nprocs=world_size, join=True, start_method="spawn")
-        return [torch.load(os.path.join(tmp, f"{rank}.pt")) for rank in range(world_size)]
+        try:
+            mp.start_processes(_entry, args=(fn, world_size, backend, init_file, tmp, args),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except mp.ProcessExitedException as exited:
+            raise RuntimeError(f"{exited}\n{_rank_reports(tmp, world_size)}") from None
+        return [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=True)
+                for rank in range(world_size)]
 
 
 def run_cases(cases: Dict[str, Callable[[], None]]) -> Dict[str, Optional[str]]:
