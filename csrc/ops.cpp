@@ -201,13 +201,16 @@ TORCH_LIBRARY(flashv100, m) {
   // (rotated) to the rows [cache_leftpad, cache_seqlens + S_new) of each sequence's cache,
   // contiguous [B_cache, S_cache, Hkv, D] (rows of cache_batch_idx[b]) or paged
   // [num_pages, page_size, Hkv, D] through block_table. num_splits: split-KV shares (0: chosen).
+  // check_index_values=False: the CUDA op trusts the index tensors' values (no device-to-host
+  // copies; the CPU op reads them on the host and checks them always).
   // out [B, Sq, Hq, D], softmax_lse fp32 [B, Hq, Sq]. No backward (as FlashAttention-2).
   m.def(
       "_kvcache_forward(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? rotary_cos, Tensor? rotary_sin, Tensor cache_seqlens, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, bool causal, "
       "int window_left, int window_right, float softcap, bool rotary_interleaved, "
-      "Tensor? alibi_slopes, int num_splits) -> (Tensor out, Tensor softmax_lse)");
+      "Tensor? alibi_slopes, int num_splits, bool check_index_values=True) -> (Tensor out, "
+      "Tensor softmax_lse)");
   m.def(
       "_dropout_mask(Tensor rng_state, SymInt batch, SymInt heads, SymInt len_q, SymInt len_kv, "
       "float dropout_p) -> Tensor");

@@ -127,7 +127,8 @@ struct KVCacheArgs {
 // tensors' values, read on the host (one device-to-host copy each on CUDA): 0 <= cache_leftpad <=
 // cache_seqlens, cache_seqlens + S_new <= capacity(), cache_batch_idx in [0, B_cache), and the
 // block_table entries of the pages that hold rows [leftpad, cache_seqlens + S_new) in
-// [0, num_pages). The CUDA op skips the values while its stream captures a CUDA graph.
+// [0, num_pages). The CUDA op skips the values while its stream captures a CUDA graph, and when
+// its caller asks it to (check_index_values=False).
 void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_values);
 // out [B, Sq, Hq, D] (query's dtype) and softmax_lse [B, Hq, Sq] (fp32; fp64 for fp64 inputs).
 at::Tensor allocate_kvcache_out(const KVCacheArgs& args);

@@ -20,7 +20,8 @@ def test_decode_rows_and_report(tmp_path):
         if row["status"] == "ok":
             assert row["time_us"] > 0 and row["gbps"] > 0 and row["hbm_fraction"] > 0
             assert row["bytes_read"] >= decode.DecodeConfig(**row["config"]).kv_bytes()
-    for name in ("flashv100", "flashv100-paged", "naive"):
+    for name in ("flashv100", "flashv100-trusted", "flashv100-paged", "flashv100-paged-trusted",
+                 "naive"):
         assert all(r["status"] == "ok" for r in by_impl[name]), by_impl[name]
     path = decode.write(doc, tmp_path / "decode.json")
     assert json.loads(path.read_text())["metadata"]["suite"] == "decode"

@@ -85,9 +85,10 @@ def test_opcheck():
     args = (kwargs["q"], kwargs["k_cache"], kwargs["v_cache"], kwargs["k"], kwargs["v"],
             kwargs["rotary_cos"], kwargs["rotary_sin"], kwargs["cache_seqlens"], None, None,
             kwargs["block_table"], 0.25, True, -1, -1, 0.0, True, None, 2)
-    torch.library.opcheck(ops._kvcache_forward.default, args,
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor", "test_aot_dispatch_dynamic"))
+    for check_index_values in (True, False):
+        torch.library.opcheck(ops._kvcache_forward.default, args + (check_index_values,),
+                              test_utils=("test_schema", "test_autograd_registration",
+                                          "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def _decode_step(q, k, v, k_cache, v_cache, cache_seqlens, block_table):
@@ -170,3 +171,21 @@ def test_bad_inputs():
             [99, 0, 1], dtype=torch.int32)))
     with pytest.raises(ValueError, match="need cache_seqlens"):
         flash_attn_with_kvcache(**_bad(contiguous, cache_seqlens=None))
+
+
+def test_cpu_checks_index_values_even_when_trusted():
+    """check_index_values=False spares CUDA its host copies; on the CPU the values are on the host
+    and checked anyway (never an out-of-bounds access), and valid values give the same result."""
+    kwargs, _ = make_inputs(Case(page_size=16), torch.float64, "cpu")
+    table = kwargs["block_table"]
+    for bad, message in [
+        (_bad(kwargs, block_table=table - 100), "is outside k_cache's"),
+        (_bad(kwargs, cache_seqlens=torch.tensor([0, 160, 3], dtype=torch.int32)),
+         "does not fit"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            flash_attn_with_kvcache(**bad, check_index_values=False)
+    caches = [(kwargs["k_cache"].clone(), kwargs["v_cache"].clone()) for _ in range(2)]
+    outs = [flash_attn_with_kvcache(**dict(kwargs, k_cache=k, v_cache=v), check_index_values=trust)
+            for (k, v), trust in zip(caches, (True, False))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0][0], caches[1][0])

@@ -343,6 +343,43 @@ def test_every_layer_runs_the_kernels(mode, monkeypatch):
             ("flash_attn_with_kvcache", (2, LENGTH + 1, 2, 8))] * 2
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decode_step_indices_are_made_with_the_mask(cache, monkeypatch):
+    """A one-token step's cache indices are made with its mask (one host sync), not again in each
+    layer; every layer's flash_attn_with_kvcache trusts them (no host copies of index values)."""
+    computed, remembered, kvcache_calls = [], [], []
+    indices = backend._DecodeIndices
+    compute, remember = indices.compute, indices.remember
+    monkeypatch.setattr(indices, "compute", staticmethod(
+        lambda padding: computed.append(padding.shape) or compute(padding)))
+    monkeypatch.setattr(indices, "remember", staticmethod(
+        lambda padding: remembered.append(padding.shape) or remember(padding)))
+    kvcache = backend.flash_attn_with_kvcache
+    monkeypatch.setattr(backend, "flash_attn_with_kvcache", lambda *args, **kwargs: (
+        kvcache_calls.append(kwargs) or kvcache(*args, **kwargs)))
+    layers, steps = 3, 3
+    model = _model(AutoModelForCausalLM, LlamaConfig(**dict(TINY, num_hidden_layers=layers)),
+                   "cpu")
+    model.set_attn_implementation(NAME)
+    ids, mask = _padded_batch("left", "cpu")
+    kwargs = dict(max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
+                  pad_token_id=0, cache_implementation=cache)
+    tokens = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    model.set_attn_implementation("eager")
+    assert torch.equal(tokens, model.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    assert len(kvcache_calls) == layers * steps  # the prefill (11 queries) runs varlen
+    assert all(call["check_index_values"] is False for call in kvcache_calls)
+    assert remembered and computed == remembered  # none computed by a layer
+
+
+def test_decode_indices_of_a_mask_the_backend_did_not_make():
+    padding = torch.tensor([[False, True, True], [True, True, True]])
+    seqlens, leftpad = backend._DecodeIndices.of(padding)
+    assert seqlens.tolist() == [3, 3] and leftpad.tolist() == [1, 0]
+    assert backend._DecodeIndices.of(torch.tensor([[True, False, True]])) is None  # a hole
+    assert backend._DecodeIndices.of(torch.tensor([[True, True, False]])) is None  # right pad
+
+
 # fp16 on CUDA (the fused kernels take fp16 / bf16 only): head dim 64.
 CUDA_TINY = dict(TINY, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
 CUDA_DECODERS = [

@@ -70,7 +70,7 @@ def _flash_backward_fake(grad_out, query, key, value, out, softmax_lse, rng_stat
 def _kvcache_forward_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                           cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                           window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
-                          num_splits):
+                          num_splits, check_index_values=True):
     # Mirrors allocate_kvcache_out/_lse in csrc/tensor_params.cpp; the caches are mutated in place
     # (the schema's alias annotations tell functionalization).
     out = q.new_empty(q.shape)

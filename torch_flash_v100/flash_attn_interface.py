@@ -274,7 +274,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            check_index_values=True):
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     if len(window_size) != 2:
@@ -295,7 +296,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, _index_tensor(cache_seqlens),
         _index_tensor(cache_batch_idx), _index_tensor(cache_leftpad), block_table,
         float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-        float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+        float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
+        bool(check_index_values))
     return (out, softmax_lse) if return_softmax_lse else out
 
 
@@ -344,9 +346,13 @@ flash_attn_with_kvcache.__doc__ = """Attention of new queries to a KV cache, app
         split; 0: chosen from the GPU's SM count and the shape (the CPU kernels take 0 as 1).
     return_softmax_lse: also return softmax_lse.
 
-    Index values (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are checked on the
-    host (one device-to-host copy each), except while the current CUDA stream is capturing a
-    graph: then they are trusted.
+    check_index_values (keyword only, not in FlashAttention-2): the index values (cache_seqlens,
+        cache_leftpad, cache_batch_idx, block_table) are checked on the host. On CUDA that is one
+        device-to-host copy each, and each copy waits for the GPU's queued work: an eager decode
+        loop pays that in every layer of every step. False trusts them, as FlashAttention-2
+        does: no copies, and values outside the rules above read and write out of bounds. While
+        the current CUDA stream captures a graph they are trusted either way (a capture cannot
+        copy to the host). The CPU kernels always check them (they are on the host already).
 
     Return:
         out: (batch_size, seqlen, nheads, headdim).

@@ -581,12 +581,14 @@ std::tuple<at::Tensor, at::Tensor> kvcache_forward_cpu(
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-    bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+    bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits,
+    bool /*check_index_values*/) {
   const KVCacheArgs args{q,           k_cache,         v_cache,       k,
                          v,           rotary_cos,      rotary_sin,    cache_seqlens,
                          cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                          causal,      window_left,     window_right,  softcap,
                          rotary_interleaved, alibi_slopes, num_splits};
+  // The index values are on the host already: checked whatever check_index_values asks.
   check_kvcache_inputs("flashv100._kvcache_forward", args, /*check_values=*/true);
   const at::Tensor q_rotated = rotary_cos.has_value() ? at::empty_like(q) : at::Tensor();
   const KVAppendParams append = make_kvcache_append_params(args, q_rotated);

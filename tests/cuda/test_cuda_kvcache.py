@@ -133,3 +133,26 @@ def test_cuda_graph_decode_step(atom, page_size, num_splits):
         # and the eager step itself is right
         (ref_out, *_), (r_out, *_) = run_case(before)
         torch.testing.assert_close(ref_out.cpu().double(), r_out, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+def test_trusted_indices_make_no_host_sync(atom, page_size):
+    """check_index_values=False: a decode step (append, split-KV attention, combine) queues its
+    work without a device-to-host copy (sync debug mode raises on one) and gives the checked
+    call's result."""
+    case = Case(batch=3, heads_q=8, heads_kv=2, dim=128, capacity=512, page_size=page_size,
+                leftpad=[0, 5, 40], causal=True, num_splits=0)
+    kwargs, _ = make_inputs(case, torch.float16, "cuda")
+    caches = [(kwargs["k_cache"].clone(), kwargs["v_cache"].clone()) for _ in range(2)]
+    checked = flash_attn_with_kvcache(**dict(kwargs, k_cache=caches[0][0], v_cache=caches[0][1]))
+    flash_attn_with_kvcache(**dict(kwargs, k_cache=caches[1][0].clone(),
+                                   v_cache=caches[1][1].clone()), check_index_values=False)
+    torch.cuda.synchronize()  # the warm-up above set the kernels up (occupancy, shared memory)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trusted = flash_attn_with_kvcache(**dict(kwargs, k_cache=caches[1][0],
+                                                 v_cache=caches[1][1]), check_index_values=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(trusted, checked)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])

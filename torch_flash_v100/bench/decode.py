@@ -13,6 +13,8 @@ Implementations:
 - ``flashv100``: flash_attn_with_kvcache on a contiguous cache [B, S_cache, Hkv, D], appending the
   step's key/value at row S - 1 (in place) and attending S keys;
 - ``flashv100-paged``: the same on a paged cache (page_size rows per page, pages shuffled);
+- ``flashv100-trusted`` / ``flashv100-paged-trusted``: the same with ``check_index_values=False``
+  (no device-to-host copies of the index values, as FlashAttention-2);
 - ``sdpa-flash`` / ``sdpa-efficient``: scaled_dot_product_attention on the same contiguous cache
   (a [B, Hkv, S, D] view, no copy), without the append (they have no cache); for GQA with
   ``enable_gqa`` where the backend takes it, else on K/V expanded to Hq heads once, outside the
@@ -39,7 +41,8 @@ from torch_flash_v100.reference import naive_attention
 
 __all__ = ["DecodeConfig", "decode_configs", "run_decode", "markdown", "DECODE_IMPLS"]
 
-DECODE_IMPLS = ["flashv100", "flashv100-paged", "sdpa-flash", "sdpa-efficient", "naive"]
+DECODE_IMPLS = ["flashv100", "flashv100-trusted", "flashv100-paged", "flashv100-paged-trusted",
+                "sdpa-flash", "sdpa-efficient", "naive"]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -124,6 +127,10 @@ def _sdpa_call(backend_name: str, q, k, v):
     return call, gqa
 
 
+def _is_paged(impl: str) -> bool:
+    return impl.startswith("flashv100-paged")
+
+
 def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_bytes: int,
            seed: int = 0):
     """name -> (callable, bytes read) or (None, reason)."""
@@ -141,27 +148,28 @@ def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_byt
     q = rnd(cfg.B, 1, cfg.Hq, cfg.D)
     k_new, v_new = rnd(cfg.B, 1, cfg.Hkv, cfg.D), rnd(cfg.B, 1, cfg.Hkv, cfg.D)
     seqlens = torch.full((cfg.B,), cfg.S - 1, dtype=torch.int32, device=device)
-    contiguous = None
-    if any(n != "flashv100-paged" for n in impls):
-        contiguous = (rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D), rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D))
+    contiguous = paged = None
+    if any(not _is_paged(n) for n in impls):
+        contiguous = (rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D), rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D), None)
+    if any(_is_paged(n) for n in impls):
+        pages = -(-cfg.S // cfg.page_size)
+        perm = torch.randperm(cfg.B * pages, generator=torch.Generator().manual_seed(seed))
+        paged = (rnd(cfg.B * pages, cfg.page_size, cfg.Hkv, cfg.D),
+                 rnd(cfg.B * pages, cfg.page_size, cfg.Hkv, cfg.D),
+                 perm.reshape(cfg.B, pages).to(device, torch.int32))
     read = cfg.kv_bytes()
     for name in impls:
-        if name == "flashv100":
-            kc, vc = contiguous
-            out[name] = (lambda kc=kc, vc=vc: flash_attn_with_kvcache(
-                q, kc, vc, k_new, v_new, cache_seqlens=seqlens), read)
-        elif name == "flashv100-paged":
-            pages = -(-cfg.S // cfg.page_size)
-            kc = rnd(cfg.B * pages, cfg.page_size, cfg.Hkv, cfg.D)
-            vc = rnd(cfg.B * pages, cfg.page_size, cfg.Hkv, cfg.D)
-            perm = torch.randperm(cfg.B * pages, generator=torch.Generator().manual_seed(seed))
-            table = perm.reshape(cfg.B, pages).to(device, torch.int32)
-            out[name] = (lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
-                q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table), read)
+        if name in ("flashv100", "flashv100-trusted", "flashv100-paged",
+                    "flashv100-paged-trusted"):
+            kc, vc, table = paged if _is_paged(name) else contiguous
+            out[name] = (lambda kc=kc, vc=vc, table=table, check=not name.endswith("-trusted"):
+                         flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                                 block_table=table, check_index_values=check),
+                         read)
         elif name in ("sdpa-flash", "sdpa-efficient"):
             backend = "FLASH_ATTENTION" if name == "sdpa-flash" else "EFFICIENT_ATTENTION"
             qs = q.transpose(1, 2)
-            ks, vs = (t.transpose(1, 2) for t in contiguous)
+            ks, vs = (t.transpose(1, 2) for t in contiguous[:2])
             try:
                 call, gqa = _sdpa_call(backend, qs, ks, vs)
             except (ImportError, AttributeError) as e:
@@ -193,7 +201,7 @@ def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_byt
                 out[name] = (None, "repeated K/V exceed the cap")
                 continue
             qs = q.transpose(1, 2)
-            ks, vs = (t.transpose(1, 2) for t in contiguous)
+            ks, vs = (t.transpose(1, 2) for t in contiguous[:2])
             out[name] = (lambda qs=qs, ks=ks, vs=vs: naive_attention(qs, ks, vs), read)
         else:
             raise KeyError(f"unknown decode implementation {name!r}; choose from {DECODE_IMPLS}")
@@ -227,8 +235,7 @@ def run_decode(configs: List[DecodeConfig], device="cuda", *, impls: Optional[Li
         if progress:
             print(f"[{i + 1}/{len(configs)}] {cfg.key()}", flush=True)
         # The contiguous cache's users, then the paged cache alone: one cache in memory at a time.
-        groups = [[n for n in impls if n != "flashv100-paged"],
-                  [n for n in impls if n == "flashv100-paged"]]
+        groups = [[n for n in impls if not _is_paged(n)], [n for n in impls if _is_paged(n)]]
         for group in (g for g in groups if g):
             try:
                 built = _build(cfg, device, group, max_kv_bytes, seed=i)

@@ -39,12 +39,15 @@ the structure of transformers' mask functions (``masking_utils``) to tell paddin
 from general ones; a structure it does not know takes the exact dense fallback.
 
 Padding and packing cost a few host syncs per layer (the varlen lengths), as in transformers'
-flash backends: these paths do not run under ``torch.compile(fullgraph=True)``.
+flash backends: these paths do not run under ``torch.compile(fullgraph=True)``. A one-token
+step of a left-padded batch costs one sync per step: its cache indices are computed with the
+mask, once for every layer.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Optional
 
 import torch
@@ -132,10 +135,47 @@ def _mask_pattern(mask_function):
     return None
 
 
-def _has_holes(padding: torch.Tensor) -> bool:
-    """Whether some row of a [B, S] bool mask is not one contiguous run of True."""
+def _rows_with_holes(padding: torch.Tensor) -> torch.Tensor:
+    """Which rows of a [B, S] bool mask are not one contiguous run of True (bool [B])."""
     starts = padding[:, 1:] & ~padding[:, :-1]
-    return bool(((starts.sum(dim=1) + padding[:, :1].long().squeeze(1)) > 1).any())
+    return (starts.sum(dim=1) + padding[:, :1].long().squeeze(1)) > 1
+
+
+def _has_holes(padding: torch.Tensor) -> bool:
+    return bool(_rows_with_holes(padding).any())
+
+
+class _DecodeIndices:
+    """flash_attn_with_kvcache's cache_seqlens and cache_leftpad for a [B, n] padding mask of
+    left padding only (each row's real keys one run ending at key n - 1), else None.
+
+    attention_mask() computes them once per forward step for one-token steps (one host sync), and
+    every layer of the step finds them by the mask's identity instead of syncing again. The entry
+    goes with the mask (a weak reference: its id may be reused then)."""
+
+    _by_mask: dict = {}
+
+    @staticmethod
+    def compute(padding: torch.Tensor):
+        left_padded = padding[:, -1].all() & ~_rows_with_holes(padding).any()
+        if not bool(left_padded):
+            return None
+        n = padding.shape[1]
+        seqlens = torch.full((padding.shape[0],), n, dtype=torch.int32, device=padding.device)
+        return seqlens, (n - padding.sum(dim=1)).to(torch.int32)
+
+    @classmethod
+    def remember(cls, padding: torch.Tensor) -> None:
+        key = id(padding)
+        cls._by_mask[key] = (weakref.ref(padding, lambda _: cls._by_mask.pop(key, None)),
+                             cls.compute(padding))
+
+    @classmethod
+    def of(cls, padding: torch.Tensor):
+        entry = cls._by_mask.get(id(padding))
+        if entry is not None and entry[0]() is padding:
+            return entry[1]
+        return cls.compute(padding)  # a mask attention_mask() did not make
 
 
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -176,6 +216,8 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         if not (kind == "sliding" and _has_holes(padding)):
             if keys_end == kv_offset + kv_length and bool(padding.all()):
                 return None
+            if q_length == 1 and kind != "bidirectional":
+                _DecodeIndices.remember(padding)
             return padding
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
@@ -211,16 +253,20 @@ def _decode_step(query, key, value, padding, flash_kwargs):
     With left padding only (row b's real keys are the last of the first n, the new token's among
     them) the keys stay where the cache holds them: flash_attn_with_kvcache attends rows
     [leftpad_b, n) of each row in place, on the split-KV decode kernels, with no unpadding copy.
+    The indices are valid by construction (0 <= leftpad_b <= n <= the keys held), so the op
+    trusts them instead of copying them to the host in every layer.
     """
-    if query.shape[1] != 1 or flash_kwargs["dropout_p"] > 0 or not bool(padding[:, -1].all()):
+    if (query.shape[1] != 1 or flash_kwargs["dropout_p"] > 0
+            or padding.shape[1] > key.shape[1]):
         return None
-    if _has_holes(padding):
+    indices = _DecodeIndices.of(padding)
+    if indices is None:
         return None
-    n = padding.shape[1]
-    leftpad = (n - padding.sum(dim=1)).to(torch.int32)
+    seqlens, leftpad = indices
     kwargs = {k: v for k, v in flash_kwargs.items() if k != "dropout_p"}
-    return flash_attn_with_kvcache(query, key, value, cache_seqlens=n, cache_leftpad=leftpad,
-                                   causal=True, **kwargs)
+    return flash_attn_with_kvcache(query, key, value, cache_seqlens=seqlens,
+                                   cache_leftpad=leftpad, causal=True, check_index_values=False,
+                                   **kwargs)
 
 
 def _padded_varlen(query, key, value, padding, causal, flash_kwargs):

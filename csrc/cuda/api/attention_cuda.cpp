@@ -271,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_forward_cuda(
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-    bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+    bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits,
+    bool check_index_values) {
   constexpr const char* op = "flashv100._kvcache_forward";
   const std::optional<at::Tensor> slopes = contiguous_or_none(alibi_slopes);
   const KVCacheArgs args{q,           k_cache,         v_cache,       k,
@@ -280,11 +281,12 @@ std::tuple<at::Tensor, at::Tensor> kvcache_forward_cuda(
                          causal,      window_left,     window_right,  softcap,
                          rotary_interleaved, slopes,    num_splits};
   const c10::cuda::CUDAGuard guard(q.device());
-  // Reading the index values is a device-to-host copy, which a capturing stream cannot do: a
-  // captured decode step trusts them (documented in flash_attn_with_kvcache).
+  // Reading the index values is a device-to-host copy (a synchronisation), which a capturing
+  // stream cannot do: a captured decode step trusts them, as a caller that asks to does
+  // (documented in flash_attn_with_kvcache).
   const bool capturing =
       c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  check_kvcache_inputs(op, args, /*check_values=*/!capturing);
+  check_kvcache_inputs(op, args, /*check_values=*/check_index_values && !capturing);
   at::Tensor out = allocate_kvcache_out(args);
   at::Tensor lse = allocate_kvcache_lse(args);
   const MmaAtom atom = atom_of(q);
