@@ -2,7 +2,8 @@
 """A few odd shapes through the fused forward and backward on both atoms, in each kernel variant
 (plain, dropout alone, a broadcast additive mask plus dropout, a prefix padding mask), and the
 FlashAttention-2 ops on packed batches with empty sequences, windows, softcap, ALiBi, dropout and
-GQA: the workload that scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck).
+GQA, and flash_attn_with_kvcache (decode tile, paged caches, split-KV and its combine, rotary,
+left padding, batch indices, chunked prefill): the workload that scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck).
 Exits non-zero on a non-finite result; the sanitizer reports memory errors and shared-memory
 races itself."""
 import argparse
@@ -57,6 +58,58 @@ def flash_cases() -> int:
     return bad
 
 
+KVCACHE_CASES = [  # (B, Hq, Hkv, D, seqlen_q, seqlens, capacity, page_size, splits, extras)
+    (3, 8, 2, 128, 1, [0, 37, 300], 320, None, 0, dict(leftpad=[0, 5, 200])),
+    (2, 4, 1, 64, 1, [15, 95], 96, 16, 3, dict(rotary=True)),
+    (3, 2, 2, 256, 1, [1, 64, 130], 144, 48, 7, {}),
+    (2, 8, 8, 40, 5, [0, 60], 80, None, 2, dict(batch_idx=True, rotary=True)),
+    (1, 8, 2, 128, 33, [100], 192, 16, 0, dict(window=(31, 0), softcap=3.0)),
+]
+
+
+def kvcache_cases() -> int:
+    """flash_attn_with_kvcache, both atoms: each step appends one new key/value per sequence."""
+    from torch_flash_v100.flash_attn_interface import flash_attn_with_kvcache
+
+    bad = 0
+    for force_volta in (True, False):
+        with tfv.volta_atom(force_volta):
+            for b, hq, hkv, d, lq, lens, cap, page, splits, extra in KVCACHE_CASES:
+                g = torch.Generator(device="cuda").manual_seed(0)
+
+                def randn(*shape):
+                    return torch.randn(*shape, device="cuda", dtype=torch.float16, generator=g)
+
+                kwargs = dict(cache_seqlens=torch.tensor(lens, device="cuda").int(),
+                              causal=True, num_splits=splits,
+                              window_size=extra.get("window", (-1, -1)),
+                              softcap=extra.get("softcap", 0.0))
+                if page is None:
+                    rows = b + 1 if extra.get("batch_idx") else b
+                    k_cache, v_cache = randn(rows, cap, hkv, d), randn(rows, cap, hkv, d)
+                    if extra.get("batch_idx"):
+                        kwargs["cache_batch_idx"] = torch.arange(rows - 1, -1, -1, device="cuda")[
+                            :b].int()
+                else:
+                    pages = cap // page
+                    k_cache, v_cache = randn(b * pages, page, hkv, d), randn(b * pages, page, hkv, d)
+                    kwargs["block_table"] = torch.randperm(
+                        b * pages, device="cuda", generator=g).view(b, pages).int()
+                if "leftpad" in extra:
+                    kwargs["cache_leftpad"] = torch.tensor(extra["leftpad"], device="cuda").int()
+                if extra.get("rotary"):
+                    angles = torch.rand(cap + lq, d // 4, device="cuda", generator=g)
+                    kwargs.update(rotary_cos=angles.cos().half(), rotary_sin=angles.sin().half())
+                out = flash_attn_with_kvcache(randn(b, lq, hq, d), k_cache, v_cache,
+                                              randn(b, lq, hkv, d), randn(b, lq, hkv, d),
+                                              **kwargs)
+                torch.cuda.synchronize()
+                if not torch.isfinite(out).all():
+                    print("non-finite result (kvcache)", force_volta, (b, hq, hkv, d, lq, lens))
+                    bad += 1
+    return bad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=int, default=len(SHAPES),
@@ -90,6 +143,7 @@ def main() -> int:
                             print("non-finite result", force_volta, (b, hq, hkv, lq, lk, d, causal))
                             bad += 1
     bad += flash_cases()
+    bad += kvcache_cases()
     print("sanitize workload done,", bad, "bad results")
     return 1 if bad else 0
 
