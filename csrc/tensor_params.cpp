@@ -160,9 +160,20 @@ void check_index_tensor(const char* op, const char* name, const at::Tensor& t,
               t.strides());
 }
 
-// The values of an int32 index tensor, on the host.
-at::Tensor host_values(const at::Tensor& t) {
-  return t.device().is_cpu() ? t : t.to(at::kCPU);
+// The values of int32 index tensors of one device, on the host, each contiguous in its input's
+// shape: one device-to-host copy for all of them, since every copy waits for the device's queued
+// work. The CPU takes the same path (a copy of a few integers) so that its tests cover it.
+std::vector<at::Tensor> host_values(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.reshape({-1}));
+  const at::Tensor all = at::cat(flat).to(at::kCPU);
+  std::vector<at::Tensor> values;
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    values.push_back(all.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+  return values;
 }
 
 // softmax_lse's shape: [B, Hq, Sq] from query [B, Sq, Hq, D], [Hq, total_q] from [total_q, Hq, D].
@@ -529,17 +540,18 @@ void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_va
               args.num_splits);
   if (!check_values) return;
 
-  const at::Tensor seqlens = host_values(args.cache_seqlens);
-  const int32_t* lens = seqlens.data_ptr<int32_t>();
-  at::Tensor leftpad_host, batch_idx_host, table_host;
-  const int32_t* leftpad = nullptr;
-  if (args.cache_leftpad.has_value()) {
-    leftpad_host = host_values(*args.cache_leftpad);
-    leftpad = leftpad_host.data_ptr<int32_t>();
+  std::vector<at::Tensor> indices{args.cache_seqlens};
+  for (const std::optional<at::Tensor>* index :
+       {&args.cache_leftpad, &args.cache_batch_idx, &args.block_table}) {
+    if (index->has_value()) indices.push_back(**index);
   }
+  const std::vector<at::Tensor> host = host_values(indices);
+  auto next_host = host.begin();
+  const int32_t* lens = (next_host++)->data_ptr<int32_t>();
+  const int32_t* leftpad =
+      args.cache_leftpad.has_value() ? (next_host++)->data_ptr<int32_t>() : nullptr;
   if (args.cache_batch_idx.has_value()) {
-    batch_idx_host = host_values(*args.cache_batch_idx);
-    const int32_t* idx = batch_idx_host.data_ptr<int32_t>();
+    const int32_t* idx = (next_host++)->data_ptr<int32_t>();
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK(idx[b] >= 0 && idx[b] < k_cache.size(0), op, ": cache_batch_idx[", b, "] = ",
                   idx[b], " is outside the cache's batch [0, ", k_cache.size(0), ")");
@@ -555,9 +567,8 @@ void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_va
     }
   }
   if (args.paged()) {
-    table_host = host_values(*args.block_table);
-    const int64_t page_size = k_cache.size(1), stride = table_host.stride(0);
-    const int32_t* table = table_host.data_ptr<int32_t>();
+    const int64_t page_size = k_cache.size(1), stride = next_host->stride(0);
+    const int32_t* table = next_host->data_ptr<int32_t>();
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t first = leftpad != nullptr ? leftpad[b] : 0, end = lens[b] + seqlen_new;
       for (int64_t page = first / page_size; page * page_size < end; ++page) {

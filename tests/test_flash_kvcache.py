@@ -189,3 +189,21 @@ def test_cpu_checks_index_values_even_when_trusted():
     outs = [flash_attn_with_kvcache(**dict(kwargs, k_cache=k, v_cache=v), check_index_values=trust)
             for (k, v), trust in zip(caches, (True, False))]
     assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0][0], caches[1][0])
+
+
+def test_block_table_with_strided_rows():
+    """A block_table whose rows are slices of a wider table: the same result as its contiguous
+    copy; only the entries of its own columns are checked."""
+    kwargs, _ = make_inputs(Case(page_size=16), torch.float64, "cpu")
+    table = kwargs["block_table"]
+    wide = torch.full((table.shape[0], table.shape[1] + 3), -7, dtype=torch.int32)
+    wide[:, :table.shape[1]] = table
+    strided = wide[:, :table.shape[1]]
+    assert strided.stride(0) > strided.shape[1]
+    outs = [flash_attn_with_kvcache(**dict(kwargs, k_cache=kwargs["k_cache"].clone(),
+                                           v_cache=kwargs["v_cache"].clone(), block_table=t))
+            for t in (table, strided)]
+    assert torch.equal(outs[0], outs[1])
+    wide[1, 0] = 10_000
+    with pytest.raises(RuntimeError, match=r"block_table\[1, 0\] = 10000 is outside"):
+        flash_attn_with_kvcache(**dict(kwargs, block_table=strided))
