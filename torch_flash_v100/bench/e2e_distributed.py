@@ -24,8 +24,8 @@ that single-process run (same seed, same batches) for each regime; then every pa
 losses are compared with it step by step. Dropout defaults to 0: the ranks draw their own dropout
 masks, which no single-process run reproduces. In the flashv100 regimes the last step is profiled
 and must have run the flashv100 forward and backward ops once per layer (the pass's "fused sites"
-count graphs, and FSDP2 compiles one graph per block that every block reuses). Exit status 1 if
-any run failed or mismatched.
+count graphs, and FSDP2 compiles one graph per block that every block reuses); DDP runs on torch
+< 2.6 are not profiled (see _PROFILES_DDP). Exit status 1 if any run failed or mismatched.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,10 @@ from .e2e_gpt import GPT, make_batches
 REGIMES = ["eager", "eager+flashv100", "compile", "compile+flashv100"]
 _COUNTED_OPS = ("flashv100::_attention_forward", "flashv100::_attention_backward")
 PARALLEL = ["ddp", "fsdp"]
+# Torch < 2.6's profiler, stopped after a DDP step on CPU, now and then aborts on a corrupted heap
+# (its legacy profiler shows why: DDP's reducer pops record ranges pushed on another thread). DDP
+# steps are not profiled there, so their flashv100 op calls are not counted (None).
+_PROFILES_DDP = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
 
 
 def _fully_shard():
@@ -101,14 +105,14 @@ def train(regime: str, parallel: str, args, state: Dict[str, torch.Tensor], batc
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.dtype)
     rows = args.batch // world
     losses: List[float] = []
-    calls: Dict[str, int] = {}
+    calls: Optional[Dict[str, int]] = None
     for step in range(args.steps):
         torch.manual_seed(10_000 + step)
         idx, pad, tgt = (t[rank * rows:(rank + 1) * rows] for t in batches[step])
         tokens = int((batches[step][2] != -100).sum())  # of the global batch
-        last = step == args.steps - 1
         # The last step is profiled: which flashv100 ops ran (compiled code calls them too).
-        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if last
+        profiled = step == args.steps - 1 and (parallel != "ddp" or _PROFILES_DDP)
+        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiled
               else contextlib.nullcontext()) as prof:
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=autocast_dtype,
@@ -118,16 +122,19 @@ def train(regime: str, parallel: str, args, state: Dict[str, torch.Tensor], batc
                                        ignore_index=-100, reduction="sum")
             (loss_sum * (world / tokens)).backward()
             opt.step()
-        if last:
+        if profiled:
             calls = {e.key.split("::")[1]: e.count for e in prof.key_averages()
                      if e.key in _COUNTED_OPS}
         total = loss_sum.detach().clone()
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / tokens)
+    op_calls = None
+    if calls is not None:
+        op_calls = {name: calls.get(name, 0) for name in ("_attention_forward",
+                                                          "_attention_backward")}
     result: Dict[str, Any] = {"regime": regime, "parallel": parallel, "losses": losses,
-                              "op_calls": {name: calls.get(name, 0) for name in
-                                           ("_attention_forward", "_attention_backward")}}
+                              "op_calls": op_calls}
     if regime == "compile+flashv100":
         from torch._dynamo.utils import counters
 
@@ -150,7 +157,7 @@ def compare(runs: List[Dict[str, Any]], references: Dict[str, Dict[str, Any]], l
         run["max_rel_diff"] = max(abs(a - b) / max(1e-6, abs(b))
                                   for a, b in zip(run["losses"], ref["losses"]))
         run["match"] = run["max_rel_diff"] <= tolerance
-        if run["regime"].endswith("+flashv100"):
+        if run["regime"].endswith("+flashv100") and run["op_calls"] is not None:
             run["match"] &= all(n == layers for n in run["op_calls"].values())
         ok &= run["match"]
     return ok
@@ -168,7 +175,8 @@ def report(runs: List[Dict[str, Any]], references: Dict[str, Dict[str, Any]], wo
             continue
         diff = f"{run['max_rel_diff']:.1e} {'OK' if run['match'] else 'MISMATCH'}" \
             if "max_rel_diff" in run else "-"
-        calls = "/".join(str(n) for n in run["op_calls"].values())
+        calls = ("/".join(str(n) for n in run["op_calls"].values())
+                 if run["op_calls"] is not None else "not counted")
         lines.append(f"| {name} | {', '.join(f'{x:.5f}' for x in run['losses'])} | {diff} | "
                      f"{calls} | {run.get('fused_sites', '-')} |")
     return "\n".join(lines)
