@@ -343,41 +343,72 @@ def test_every_layer_runs_the_kernels(mode, monkeypatch):
             ("flash_attn_with_kvcache", (2, LENGTH + 1, 2, 8))] * 2
 
 
+def _counting(monkeypatch, name):
+    """Replaces backend.<name> with a wrapper that records each call's first argument."""
+    calls, function = [], getattr(backend, name)
+    monkeypatch.setattr(backend, name, lambda *args: calls.append(args[0]) or function(*args))
+    return calls
+
+
+LAYERS3 = LlamaConfig(**dict(TINY, num_hidden_layers=3))
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_decode_step_indices_are_made_with_the_mask(cache, monkeypatch):
-    """A one-token step's cache indices are made with its mask (one host sync), not again in each
-    layer; every layer's flash_attn_with_kvcache trusts them (no host copies of index values)."""
-    computed, remembered, kvcache_calls = [], [], []
-    indices = backend._DecodeIndices
-    compute, remember = indices.compute, indices.remember
-    monkeypatch.setattr(indices, "compute", staticmethod(
-        lambda padding: computed.append(padding.shape) or compute(padding)))
-    monkeypatch.setattr(indices, "remember", staticmethod(
-        lambda padding: remembered.append(padding.shape) or remember(padding)))
+def test_decode_steps_derive_their_indices_once(cache, monkeypatch):
+    """A one-token step's cache indices are derived once for all three layers (one host sync);
+    every layer's flash_attn_with_kvcache trusts them (no host copies of index values)."""
+    derived = _counting(monkeypatch, "_decode_indices")
+    kvcache_calls = []
     kvcache = backend.flash_attn_with_kvcache
     monkeypatch.setattr(backend, "flash_attn_with_kvcache", lambda *args, **kwargs: (
         kvcache_calls.append(kwargs) or kvcache(*args, **kwargs)))
-    layers, steps = 3, 3
-    model = _model(AutoModelForCausalLM, LlamaConfig(**dict(TINY, num_hidden_layers=layers)),
-                   "cpu")
+    model = _model(AutoModelForCausalLM, LAYERS3, "cpu")
     model.set_attn_implementation(NAME)
     ids, mask = _padded_batch("left", "cpu")
+    steps = 3
     kwargs = dict(max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
                   pad_token_id=0, cache_implementation=cache)
     tokens = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     model.set_attn_implementation("eager")
     assert torch.equal(tokens, model.generate(input_ids=ids, attention_mask=mask, **kwargs))
-    assert len(kvcache_calls) == layers * steps  # the prefill (11 queries) runs varlen
+    assert len(derived) == steps  # the prefill (11 queries) runs varlen
+    assert len(kvcache_calls) == 3 * steps
     assert all(call["check_index_values"] is False for call in kvcache_calls)
-    assert remembered and computed == remembered  # none computed by a layer
 
 
-def test_decode_indices_of_a_mask_the_backend_did_not_make():
-    padding = torch.tensor([[False, True, True], [True, True, True]])
-    seqlens, leftpad = backend._DecodeIndices.of(padding)
+def test_padded_and_packed_forwards_derive_their_lengths_once(monkeypatch):
+    """The varlen indices and lengths of a padded batch, and the sequences of a packed one, are
+    derived once per forward for all three layers."""
+    unpadded = _counting(monkeypatch, "_unpadding")
+    packed_ids = _counting(monkeypatch, "_packed_cu_seqlens")
+    model = _model(AutoModelForCausalLM, LAYERS3, "cpu")
+    model.set_attn_implementation(NAME)
+    ids, mask = _padded_batch("left", "cpu")
+    model(input_ids=ids, attention_mask=mask)
+    assert len(unpadded) == 1
+    flat = DataCollatorWithFlattening(return_tensors="pt")(
+        [{"input_ids": row[row != 0].tolist()} for row in ids])
+    for use_cache in (False, True):  # sequence ids from the mask function / position_ids
+        packed_ids.clear()
+        model(input_ids=flat["input_ids"], position_ids=flat["position_ids"], use_cache=use_cache)
+        assert len(packed_ids) == 1, use_cache
+
+
+def test_step_memo_entries_go_with_their_mask():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert backend._StepMemo.get(mask, "x", lambda: 1) == 1
+    assert backend._StepMemo.get(mask, "x", lambda: 2) == 1
+    key = id(mask)
+    del mask
+    assert key not in backend._StepMemo._by_mask
+
+
+def test_decode_indices():
+    seqlens, leftpad = backend._decode_indices(torch.tensor([[False, True, True],
+                                                             [True, True, True]]))
     assert seqlens.tolist() == [3, 3] and leftpad.tolist() == [1, 0]
-    assert backend._DecodeIndices.of(torch.tensor([[True, False, True]])) is None  # a hole
-    assert backend._DecodeIndices.of(torch.tensor([[True, True, False]])) is None  # right pad
+    assert backend._decode_indices(torch.tensor([[True, False, True]])) is None  # a hole
+    assert backend._decode_indices(torch.tensor([[True, True, False]])) is None  # right padding
 
 
 # fp16 on CUDA (the fused kernels take fp16 / bf16 only): head dim 64.

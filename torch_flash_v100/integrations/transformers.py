@@ -38,10 +38,10 @@ since 4.53; this backend needs the mask functions of transformers 5, which take 
 the structure of transformers' mask functions (``masking_utils``) to tell padding-only masks
 from general ones; a structure it does not know takes the exact dense fallback.
 
-Padding and packing cost a few host syncs per layer (the varlen lengths), as in transformers'
-flash backends: these paths do not run under ``torch.compile(fullgraph=True)``. A one-token
-step of a left-padded batch costs one sync per step: its cache indices are computed with the
-mask, once for every layer.
+Padding and packing cost a few host syncs per forward step (the varlen lengths and indices,
+derived once from the mask every layer shares), so these paths do not run under
+``torch.compile(fullgraph=True)``. A one-token step of a left-padded batch runs
+``flash_attn_with_kvcache`` on cache indices made the same way, trusted (no per-layer copies).
 """
 
 from __future__ import annotations
@@ -145,37 +145,28 @@ def _has_holes(padding: torch.Tensor) -> bool:
     return bool(_rows_with_holes(padding).any())
 
 
-class _DecodeIndices:
-    """flash_attn_with_kvcache's cache_seqlens and cache_leftpad for a [B, n] padding mask of
-    left padding only (each row's real keys one run ending at key n - 1), else None.
+class _StepMemo:
+    """What the layers of one forward step derive from the mask they share, derived once.
 
-    attention_mask() computes them once per forward step for one-token steps (one host sync), and
-    every layer of the step finds them by the mask's identity instead of syncing again. The entry
-    goes with the mask (a weak reference: its id may be reused then)."""
+    Every layer of a step gets the same mask object, so the host syncs that deriving lengths and
+    indices needs happen once per step, not once per layer. Keyed by the mask's identity and
+    what is derived; an entry goes with its mask (a weak reference: its id may be reused then).
+    Off while torch.compile traces."""
 
     _by_mask: dict = {}
 
-    @staticmethod
-    def compute(padding: torch.Tensor):
-        left_padded = padding[:, -1].all() & ~_rows_with_holes(padding).any()
-        if not bool(left_padded):
-            return None
-        n = padding.shape[1]
-        seqlens = torch.full((padding.shape[0],), n, dtype=torch.int32, device=padding.device)
-        return seqlens, (n - padding.sum(dim=1)).to(torch.int32)
-
     @classmethod
-    def remember(cls, padding: torch.Tensor) -> None:
-        key = id(padding)
-        cls._by_mask[key] = (weakref.ref(padding, lambda _: cls._by_mask.pop(key, None)),
-                             cls.compute(padding))
-
-    @classmethod
-    def of(cls, padding: torch.Tensor):
-        entry = cls._by_mask.get(id(padding))
-        if entry is not None and entry[0]() is padding:
-            return entry[1]
-        return cls.compute(padding)  # a mask attention_mask() did not make
+    def get(cls, mask: torch.Tensor, what, derive):
+        if torch.compiler.is_compiling():
+            return derive()
+        key = id(mask)
+        entry = cls._by_mask.get(key)
+        if entry is None or entry[0]() is not mask:
+            entry = (weakref.ref(mask, lambda _: cls._by_mask.pop(key, None)), {})
+            cls._by_mask[key] = entry
+        if what not in entry[1]:
+            entry[1][what] = derive()
+        return entry[1][what]
 
 
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -216,8 +207,6 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         if not (kind == "sliding" and _has_holes(padding)):
             if keys_end == kv_offset + kv_length and bool(padding.all()):
                 return None
-            if q_length == 1 and kind != "bidirectional":
-                _DecodeIndices.remember(padding)
             return padding
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
@@ -247,6 +236,17 @@ def _packed_cu_seqlens(sequence_ids: torch.Tensor):
     return cu, int(cu.diff().max())
 
 
+def _decode_indices(padding: torch.Tensor):
+    """flash_attn_with_kvcache's cache_seqlens and cache_leftpad for a [B, n] padding mask of
+    left padding only (each row's real keys one run ending at key n - 1), else None."""
+    left_padded = padding[:, -1].all() & ~_rows_with_holes(padding).any()
+    if not bool(left_padded):
+        return None
+    n = padding.shape[1]
+    seqlens = torch.full((padding.shape[0],), n, dtype=torch.int32, device=padding.device)
+    return seqlens, (n - padding.sum(dim=1)).to(torch.int32)
+
+
 def _decode_step(query, key, value, padding, flash_kwargs):
     """One new token per sequence against the cache (generate() after the prefill), or None.
 
@@ -259,7 +259,7 @@ def _decode_step(query, key, value, padding, flash_kwargs):
     if (query.shape[1] != 1 or flash_kwargs["dropout_p"] > 0
             or padding.shape[1] > key.shape[1]):
         return None
-    indices = _DecodeIndices.of(padding)
+    indices = _StepMemo.get(padding, "decode", lambda: _decode_indices(padding))
     if indices is None:
         return None
     seqlens, leftpad = indices
@@ -269,10 +269,10 @@ def _decode_step(query, key, value, padding, flash_kwargs):
                                    **kwargs)
 
 
-def _padded_varlen(query, key, value, padding, causal, flash_kwargs):
-    """Attention over the real tokens of a padded batch (padding [B, n], True = real key)."""
-    batch, len_q = query.shape[:2]
-    key, value = key[:, :padding.shape[1]], value[:, :padding.shape[1]]
+def _unpadding(padding: torch.Tensor, causal: bool, len_q: int):
+    """(keep_q, cu_q, max_q, keep_k, cu_k, max_k): the real tokens of a padded batch (padding
+    [B, n], True = real key) as flat indices, cu_seqlens and longest lengths; keep_q None when
+    every query runs."""
     lengths_k = padding.sum(dim=1)
     keep_k = torch.nonzero(padding.flatten()).squeeze(1)
     if causal:
@@ -281,16 +281,29 @@ def _padded_varlen(query, key, value, padding, causal, flash_kwargs):
         padding_q = padding[:, -len_q:]
         lengths_q = padding_q.sum(dim=1)
         keep_q = torch.nonzero(padding_q.flatten()).squeeze(1)
-        packed_q = query.flatten(0, 1).index_select(0, keep_q)
         max_q = int(lengths_q.max())
     else:
         # Not causal (encoders, cross-attention): the mask hides keys only; every query runs.
-        lengths_q = torch.full((batch,), len_q, dtype=lengths_k.dtype, device=query.device)
-        packed_q, max_q, keep_q = query.flatten(0, 1), len_q, None
+        lengths_q = torch.full((padding.shape[0],), len_q, dtype=lengths_k.dtype,
+                               device=padding.device)
+        keep_q, max_q = None, len_q
+    return (keep_q, _cu_seqlens(lengths_q), max_q, keep_k, _cu_seqlens(lengths_k),
+            int(lengths_k.max()))
+
+
+def _padded_varlen(query, key, value, padding, causal, flash_kwargs):
+    """Attention over the real tokens of a padded batch (padding [B, n], True = real key)."""
+    batch, len_q = query.shape[:2]
+    key, value = key[:, :padding.shape[1]], value[:, :padding.shape[1]]
+    keep_q, cu_q, max_q, keep_k, cu_k, max_k = _StepMemo.get(
+        padding, ("unpadding", causal, len_q), lambda: _unpadding(padding, causal, len_q))
+    packed_q = query.flatten(0, 1)
+    if keep_q is not None:
+        packed_q = packed_q.index_select(0, keep_q)
     out = flash_attn_varlen_func(
         packed_q, key.flatten(0, 1).index_select(0, keep_k),
-        value.flatten(0, 1).index_select(0, keep_k), _cu_seqlens(lengths_q),
-        _cu_seqlens(lengths_k), max_q, int(lengths_k.max()), causal=causal, **flash_kwargs)
+        value.flatten(0, 1).index_select(0, keep_k), cu_q, cu_k, max_q, max_k, causal=causal,
+        **flash_kwargs)
     if keep_q is not None:
         out = out.new_zeros((batch * len_q,) + tuple(out.shape[1:])).index_copy(0, keep_q, out)
     return out.view(batch, len_q, *out.shape[1:])
@@ -345,7 +358,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         packed = (cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_length_q),
                   int(max_length_k))
     elif attention_mask is not None and attention_mask.dtype != torch.bool:
-        cu, longest = _packed_cu_seqlens(attention_mask)
+        cu, longest = _StepMemo.get(attention_mask, "packed",
+                                    lambda: _packed_cu_seqlens(attention_mask))
         packed = (cu, cu, longest, longest)
     elif attention_mask is not None:
         out = _decode_step(query, key, value, attention_mask, flash_kwargs) if causal else None
@@ -364,10 +378,14 @@ def _packed_from_position_ids(position_ids, query, key):
     """(cu_seqlens, longest) when a batch of one row holds several sequences (position_ids not
     increasing by one), else None. The mask function sees packing only without a cache; a
     forward with use_cache=True (the default outside training) finds it here, at the price of
-    one device sync per layer, for single-row batches only (as transformers' flash backends)."""
+    one device sync per step, for single-row batches only (as transformers' flash backends)."""
     if (position_ids is None or query.shape[0] != 1 or query.shape[1] == 1
             or query.shape[1] != key.shape[1] or position_ids.shape[-1] != query.shape[1]):
         return None
+    return _StepMemo.get(position_ids, "packed", lambda: _packing_of(position_ids))
+
+
+def _packing_of(position_ids: torch.Tensor):
     positions = position_ids.reshape(1, -1)
     starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
     if not bool(starts[:, 1:].any()):
