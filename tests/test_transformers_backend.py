@@ -398,6 +398,8 @@ def test_step_memo_entries_go_with_their_mask():
     mask = torch.ones(2, 3, dtype=torch.bool)
     assert backend._StepMemo.get(mask, "x", lambda: 1) == 1
     assert backend._StepMemo.get(mask, "x", lambda: 2) == 1
+    mask[0, 0] = False  # written in place: derived again
+    assert backend._StepMemo.get(mask, "x", lambda: 3) == 3
     key = id(mask)
     del mask
     assert key not in backend._StepMemo._by_mask

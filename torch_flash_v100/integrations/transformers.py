@@ -150,8 +150,9 @@ class _StepMemo:
 
     Every layer of a step gets the same mask object, so the host syncs that deriving lengths and
     indices needs happen once per step, not once per layer. Keyed by the mask's identity and
-    what is derived; an entry goes with its mask (a weak reference: its id may be reused then).
-    Off while torch.compile traces."""
+    what is derived, and dropped when the mask is written in place (a caller's position_ids
+    buffer reused across steps) or freed (a weak reference: its id may be reused then). Off while
+    torch.compile traces."""
 
     _by_mask: dict = {}
 
@@ -161,12 +162,13 @@ class _StepMemo:
             return derive()
         key = id(mask)
         entry = cls._by_mask.get(key)
-        if entry is None or entry[0]() is not mask:
-            entry = (weakref.ref(mask, lambda _: cls._by_mask.pop(key, None)), {})
+        if entry is None or entry[0]() is not mask or entry[1] != mask._version:
+            entry = (weakref.ref(mask, lambda _: cls._by_mask.pop(key, None)), mask._version, {})
             cls._by_mask[key] = entry
-        if what not in entry[1]:
-            entry[1][what] = derive()
-        return entry[1][what]
+        derived = entry[2]
+        if what not in derived:
+            derived[what] = derive()
+        return derived[what]
 
 
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
