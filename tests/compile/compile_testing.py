@@ -3,8 +3,9 @@
 ``check(fn, args, train=...)`` compiles ``fn`` with ``torch_flash_v100.backend(force=True)`` over
 AOTAutograd set up as the "aot_eager" backend (and Inductor) set it up, with graph-capturing
 compilers (cheap: no Inductor codegen), and asserts:
-the counter, the fused op in the forward graph (and its backward op in the backward graph, with
-no unfused softmax left), and eager-vs-compiled equality of outputs and gradients.
+the counter, the fused ops in the forward graph (``flashv100.attention``, or the
+FlashAttention-2 op for windows, soft-capping and ALiBi) and their backward ops in the backward
+graph, with no unfused softmax left, and eager-vs-compiled equality of outputs and gradients.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ except ImportError:  # pragma: no cover
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 ATTN = torch.ops.flashv100.attention.default
+FLASH = torch.ops.flashv100._flash_forward.default
+FLASH_ARGS = ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+              "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_left",
+              "window_right", "softcap", "alibi_slopes")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -73,6 +78,14 @@ class Capture:
                     d["node"] = n
                     calls.append(d)
         return calls
+
+    def flash_calls(self) -> list[dict]:
+        """The FlashAttention-2 op calls in the rewritten Dynamo graphs, arguments by name."""
+        return [dict(zip(FLASH_ARGS, n.args), node=n) for gm in self.dynamo
+                for n in gm.graph.nodes if n.op == "call_function" and n.target is FLASH]
+
+    def fused_calls(self) -> int:
+        return len(self.attention_calls()) + len(self.flash_calls())
 
     def fw_code(self) -> str:
         return "\n".join(gm.code for gm in self.fw)
@@ -128,9 +141,9 @@ def check(fn, args, *, train: bool, fused: int = 1, dynamic: bool = False,
     out_e = fn(*args_e)
     got = counters["flashv100"]["fused_attention"]
     assert got == fused, f"fused {got} sites, expected {fused}: {history}"
-    assert len(cap.attention_calls()) == fused
+    assert cap.fused_calls() == fused
     fw = cap.fw_code()
-    assert fw.count("flashv100._attention_forward") == fused, fw
+    assert forward_ops(fw) == fused, fw
     if fused:
         assert "_softmax" not in fw, fw
     oc, oe = _flat(out_c), _flat(out_e)
@@ -144,7 +157,7 @@ def check(fn, args, *, train: bool, fused: int = 1, dynamic: bool = False,
         gc = torch.autograd.grad(oc, inputs_c, grads_out, allow_unused=True)
         ge = torch.autograd.grad(oe, inputs_e, grads_out, allow_unused=True)
         bw = cap.bw_code()
-        assert bw.count("flashv100._attention_backward") == fused, bw
+        assert backward_ops(bw) == fused, bw
         if fused:
             assert "_softmax_backward_data" not in bw, bw
         if compare:
@@ -156,6 +169,15 @@ def check(fn, args, *, train: bool, fused: int = 1, dynamic: bool = False,
     return cap
 
 
+def forward_ops(code: str) -> int:
+    """The fused forward ops in AOTAutograd's forward graph code."""
+    return code.count("flashv100._attention_forward") + code.count("flashv100._flash_forward")
+
+
+def backward_ops(code: str) -> int:
+    return code.count("flashv100._attention_backward") + code.count("flashv100._flash_backward")
+
+
 def check_not_rewritten(fn, args, *, reason: str, train: bool = False, force: bool = True):
     """Nothing rewritten, results unchanged, and the logged reason contains ``reason``."""
     reset()
@@ -165,7 +187,7 @@ def check_not_rewritten(fn, args, *, reason: str, train: bool = False, force: bo
     out_c = torch.compile(fn, backend=cap.backend(), fullgraph=True)(*args_c)
     out_e = fn(*args_e)
     assert counters["flashv100"]["fused_attention"] == 0, history
-    assert not cap.attention_calls()
+    assert not cap.fused_calls()
     assert "flashv100" not in cap.fw_code()
     for a, b in zip(_flat(out_c), _flat(out_e)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)

@@ -41,8 +41,8 @@ DECODERS = {
 }
 
 
-def make_decoder(name: str, dtype=torch.float32, device="cpu"):
-    model_type, kw = DECODERS[name]
+def make_decoder(name: str, dtype=torch.float32, device="cpu", decoders=DECODERS):
+    model_type, kw = decoders[name]
     torch.manual_seed(0)
     cfg = T.AutoConfig.for_model(model_type, **kw)
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")

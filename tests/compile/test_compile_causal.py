@@ -1,4 +1,5 @@
-"""Provably lower-triangular masks become is_causal=True (plus the mask when it holds more)."""
+"""Provably lower-triangular masks become is_causal=True (plus the mask when it holds more); other
+bands of diagonals become windows of the FlashAttention-2 op."""
 
 import pytest
 import torch
@@ -94,10 +95,11 @@ def test_causal_plus_padding(train):
 
 
 @TRAIN
-def test_sliding_window_is_causal_plus_mask(train):
+def test_sliding_window_is_a_window(train):
+    # stricter than causal: the FlashAttention-2 op's window (test_compile_window.py)
     cap = check(sliding_window, qkv(), train=train)
-    (call,) = cap.attention_calls()
-    assert call["is_causal"] is True and call["attn_mask"] is not None
+    (call,) = cap.flash_calls()
+    assert call["causal"] is True and (call["window_left"], call["window_right"]) == (2, 0)
 
 
 def tril_diag1(q, k, v):  # keeps one position above the diagonal: NOT causal
@@ -121,10 +123,13 @@ def triu_on_lower(q, k, v):  # masks the lower triangle: anti-causal
 
 
 @TRAIN
-@pytest.mark.parametrize("fn,shapes", [(tril_diag1, {}), (bottom_right, {"l": 4, "s": 8}),
-                                       (triu_on_lower, {})], ids=["tril_diag1", "bottom_right",
-                                                                  "anti_causal"])
-def test_not_causal_keeps_mask(fn, shapes, train):
+@pytest.mark.parametrize("fn,shapes,window", [
+    (tril_diag1, {}, (-1, 1)), (bottom_right, {"l": 4, "s": 8}, (-1, 0)),
+    (triu_on_lower, {}, (0, -1))], ids=["tril_diag1", "bottom_right", "anti_causal"])
+def test_not_top_left_causal(fn, shapes, window, train):
+    # never is_causal=True (top-left): each is another band of diagonals, the FlashAttention-2
+    # op's window (aligned bottom-right: (-1, 0) is bottom_right's causality)
     cap = check(fn, qkv(**shapes), train=train)
-    (call,) = cap.attention_calls()
-    assert call["is_causal"] is False and call["attn_mask"] is not None
+    assert not cap.attention_calls()
+    (call,) = cap.flash_calls()
+    assert (call["window_left"], call["window_right"]) == window

@@ -53,6 +53,31 @@ def causal_padding_gqa(q, k, v, keep):
     return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def sliding_window(q, k, v):  # transformers' masks of Mistral-style sliding layers
+    s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    qi = torch.arange(8)[None, None, :, None]
+    kj = torch.arange(8)[None, None, None, :]
+    keep = (kj > qi - 3) & (kj <= qi)
+    s = s + torch.where(keep, torch.zeros(()), torch.finfo(s.dtype).min)
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def gemma2_softcap(q, k, v):
+    s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    s = torch.tanh(s / 50.0) * 50.0
+    s = s.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), torch.finfo(s.dtype).min)
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def mpt_alibi(q, k, v):
+    slopes = (1.0 / torch.pow(2, torch.arange(1, 5).float() * 2.0)).view(1, 4, 1, 1)
+    alibi = (torch.arange(-7, 1).view(1, 1, 1, 8) * slopes).squeeze(0)
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.25 + alibi
+    s = s.masked_fill(torch.arange(8)[None, :] > torch.arange(8)[:, None],
+                      torch.finfo(s.dtype).min)
+    return torch.matmul(F.softmax(s.float(), dim=-1).to(v.dtype), v)
+
+
 def einsum_blhd(q, k, v):
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
@@ -109,3 +134,53 @@ permute_2 = torch.permute(l_v_, [0, 2, 1, 3]);  l_v_ = None
 attention_default = torch.ops.flashv100.attention.default(permute, permute_1, permute_2, None, 0.0, False, scale = 0.25, enable_gqa = False);  permute = permute_1 = permute_2 = None
 permute_3 = torch.permute(attention_default, [0, 2, 1, 3]);  attention_default = None
 return (permute_3,)""")
+
+    def test_sliding_window(self):
+        self.assertExpectedInline(_code(sliding_window, *qkv()), """\
+l_k_ = L_k_
+l_q_ = L_q_
+l_v_ = L_v_
+transpose_1 = torch.transpose(l_q_, 1, 2);  l_q_ = None
+transpose_2 = torch.transpose(l_k_, 1, 2);  l_k_ = None
+transpose_3 = torch.transpose(l_v_, 1, 2);  l_v_ = None
+_flash_forward_default = torch.ops.flashv100._flash_forward.default(transpose_1, transpose_2, transpose_3, None, None, 8, 8, 0.0, 0.25, True, 2, 0, 0.0, None);  transpose_1 = transpose_2 = transpose_3 = None
+getitem_2 = _flash_forward_default[0];  _flash_forward_default = None
+transpose_4 = torch.transpose(getitem_2, 1, 2);  getitem_2 = None
+return (transpose_4,)""")
+
+    def test_gemma2_softcap(self):
+        self.assertExpectedInline(_code(gemma2_softcap, *qkv()), """\
+l_k_ = L_k_
+l_q_ = L_q_
+l_v_ = L_v_
+transpose_1 = torch.transpose(l_q_, 1, 2);  l_q_ = None
+transpose_2 = torch.transpose(l_k_, 1, 2);  l_k_ = None
+transpose_3 = torch.transpose(l_v_, 1, 2);  l_v_ = None
+_flash_forward_default = torch.ops.flashv100._flash_forward.default(transpose_1, transpose_2, transpose_3, None, None, 8, 8, 0.0, 0.25, True, -1, 0, 50.0, None);  transpose_1 = transpose_2 = transpose_3 = None
+getitem = _flash_forward_default[0];  _flash_forward_default = None
+transpose_4 = torch.transpose(getitem, 1, 2);  getitem = None
+return (transpose_4,)""")
+
+    def test_mpt_alibi(self):
+        self.assertExpectedInline(_code(mpt_alibi, *qkv()), """\
+l_k_ = L_k_
+l_q_ = L_q_
+l_v_ = L_v_
+arange = torch.arange(1, 5)
+float_1 = arange.float();  arange = None
+mul = float_1 * 2.0;  float_1 = None
+pow_1 = torch.pow(2, mul);  mul = None
+truediv = 1.0 / pow_1;  pow_1 = None
+slopes = truediv.view(1, 4, 1, 1);  truediv = None
+getitem_2 = l_q_[(Ellipsis, 0, 0)]
+zeros_like = torch.zeros_like(getitem_2, dtype = torch.float32);  getitem_2 = None
+reshape = torch.reshape(slopes, (4,));  slopes = None
+to_1 = reshape.to(torch.float32);  reshape = None
+add_1 = torch.add(zeros_like, to_1);  zeros_like = to_1 = None
+transpose_1 = torch.transpose(l_q_, 1, 2);  l_q_ = None
+transpose_2 = torch.transpose(l_k_, 1, 2);  l_k_ = None
+transpose_3 = torch.transpose(l_v_, 1, 2);  l_v_ = None
+_flash_forward_default = torch.ops.flashv100._flash_forward.default(transpose_1, transpose_2, transpose_3, None, None, 8, 8, 0.0, 0.25, True, -1, 0, 0.0, add_1);  transpose_1 = transpose_2 = transpose_3 = add_1 = None
+getitem_3 = _flash_forward_default[0];  _flash_forward_default = None
+transpose_4 = torch.transpose(getitem_3, 1, 2);  getitem_3 = None
+return (transpose_4,)""")

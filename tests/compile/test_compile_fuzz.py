@@ -66,3 +66,62 @@ def test_fuzz(spelling, scale_at, mask_kind, causal, gqa, train, b, hk, l, extra
     (call,) = cap.attention_calls()
     assert call["is_causal"] is causal
     assert call["enable_gqa"] is (gqa and h != hk)
+
+
+def make_band_fn(lo, hi, spelling, softcap, alibi):
+    """Attention keeping the diagonals lo <= j - i <= hi (None: unbounded) with a finite fill
+    (eager then averages rows with no key over all keys), optionally soft-capped and with
+    FlashAttention-2's ALiBi bias -slope * |i + S - L - j|."""
+    def fn(q, k, v, slopes):
+        s = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+        if softcap:
+            s = torch.tanh(s / 4.0) * 4.0
+        i = torch.arange(s.size(-2), device=s.device)[:, None]
+        j = torch.arange(s.size(-1), device=s.device)[None, :]
+        if alibi:
+            s = s - slopes.view(1, -1, 1, 1) * (i + (s.size(-1) - s.size(-2)) - j).abs()
+        low = torch.finfo(s.dtype).min
+        if spelling == "tril_triu":
+            keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
+            keep = keep.tril(hi if hi is not None else s.size(-1)).triu(
+                lo if lo is not None else -s.size(-2))
+            return F.softmax(s.masked_fill(~keep, low), dim=-1) @ v
+        if spelling == "two_fills":
+            if hi is not None:
+                s = s.masked_fill(j - i > hi, low)
+            if lo is not None:
+                s = torch.where(j - i >= lo, s, low)
+            return F.softmax(s, dim=-1) @ v
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
+        if hi is not None:
+            keep = keep & (j <= i + hi)
+        if lo is not None:
+            keep = keep & (i + lo <= j)
+        if spelling == "additive":
+            return F.softmax(s + torch.where(keep, 0.0, low), dim=-1) @ v
+        return F.softmax(s.masked_fill(~keep, low), dim=-1) @ v
+    return fn
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(l=st.integers(1, 9), s=st.integers(1, 9), lo=st.one_of(st.none(), st.integers(-9, 3)),
+       width=st.one_of(st.none(), st.integers(0, 9)),
+       spelling=st.sampled_from(["bool", "additive", "tril_triu", "two_fills"]),
+       softcap=st.booleans(), alibi=st.booleans(), train=st.booleans())
+def test_fuzz_bands(l, s, lo, width, spelling, softcap, alibi, train):
+    # every band, spelling and length: equal to eager everywhere, rows with no key included;
+    # soft-capping only where the op can take the band (every row sees a key, bottom-right
+    # aligned; with one query or key the masks compare an index with a constant, which the pass
+    # does not read as a band), as it is left alone otherwise
+    hi = None if width is None else (lo or 0) + width
+    shift = s - l
+    if softcap and not ((hi is None or hi >= max(0, shift)) and
+                        (lo is None or lo <= min(0, shift)) and min(l, s) > 1):
+        return
+    g = torch.Generator().manual_seed(l * 31 + s)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g).to(DEVICE) for n in (l, s, s))
+    slopes = torch.rand(2, generator=g).to(DEVICE)
+    slopes._grad_wanted = False
+    cap = check(make_band_fn(lo, hi, spelling, softcap, alibi), (q, k, v, slopes), train=train)
+    if softcap:
+        assert cap.flash_calls()

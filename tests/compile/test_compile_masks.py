@@ -73,6 +73,17 @@ def test_additive_mask_grad(train):
     check(additive, (*qkv(), torch.randn(1, H, L, S, device=DEVICE)), train=train)
 
 
+def subtracted(q, k, v, m):  # scores - m: the mask negated
+    s = torch.matmul(q, k.transpose(-2, -1)) * 0.25 - m
+    return F.softmax(s, dim=-1) @ v
+
+
+@TRAIN
+def test_subtracted_mask(train):
+    cap = check(subtracted, (*qkv(), torch.randn(1, H, L, S, device=DEVICE)), train=train)
+    assert cap.attention_calls()[0]["attn_mask"] is not None
+
+
 @TRAIN
 def test_additive_mask_scaled_after(train):
     m = no_grad_input(torch.randn(B, 1, L, S, device=DEVICE))

@@ -46,8 +46,8 @@ def fill_with_zero(q, k, v, keep):
     return F.softmax(s, dim=-1) @ v
 
 
-def softcap(q, k, v):
-    s = torch.tanh(torch.matmul(q, k.transpose(-2, -1)) / 30.0) * 30.0
+def softcap_of_masked(q, k, v, m):  # a mask inside the tanh: see test_compile_softcap.py
+    s = torch.tanh((torch.matmul(q, k.transpose(-2, -1)) + m) / 30.0) * 30.0
     return F.softmax(s, dim=-1) @ v
 
 
@@ -79,7 +79,9 @@ CASES = {
     "fill_with_zero": (fill_with_zero,
                        lambda: (*qkv(), torch.rand(8, 8, device=DEVICE) > 0.3),
                        "large negative"),
-    "softcap": (softcap, lambda: qkv(), "tanh"),
+    "softcap_of_masked": (softcap_of_masked,
+                          lambda: (*qkv(), torch.randn(8, 8, device=DEVICE)),
+                          "a mask applied before the tanh"),
     "probs_transposed": (probs_transposed, lambda: qkv(), "not (casts, dropout, matmul"),
     "not_attention": (not_attention, lambda: qkv(), "q @ k^T product"),
     "head_mask": (head_mask, lambda: (*qkv(), torch.rand(1, 4, 1, 1, device=DEVICE)),

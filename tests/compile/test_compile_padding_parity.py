@@ -22,7 +22,8 @@ def test_every_position_equals_eager(name, side, train):
     # O(L) memory: no [B, H, L, S] tensor in the forward graph that runs (the model's own
     # [B, 1, L, S] mask is the largest); the fix-up of fully masked rows adds [B, 1, L, 1]
     # reductions. BLOOM adds its ALiBi bias [B * H, 1, S] to that mask, which makes the sum
-    # [B, H, L, S] (as large as eager's scores; fusing ALiBi as slopes would remove it).
+    # [B, H, L, S] (as large as eager's scores): its positions come from the padding mask's
+    # cumsum, which the pass cannot prove to be the key index (no alibi_slopes).
     big = [n.format_node() for gm in cap.fw for n in gm.graph.nodes
            if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 3
            and n.meta["val"].shape[-2:] == (10, 10) and n.meta["val"].numel() > 3 * 100]

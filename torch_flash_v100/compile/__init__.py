@@ -1,4 +1,5 @@
-"""torch.compile integration: rewrite real-world attention into ``flashv100.attention``.
+"""torch.compile integration: rewrite real-world attention into ``flashv100.attention`` (or, for
+sliding windows, tanh soft-capping and ALiBi, the FlashAttention-2 op ``flashv100._flash_forward``).
 
 Two ways in:
 
@@ -10,9 +11,9 @@ Two ways in:
   :func:`backend`).
 
 The pass runs on the torch-level graph *before* autograd, so in training AOTAutograd derives the
-backward of the fused op itself (``flashv100._attention_backward``): no unfused O(L*S) backward
-is left behind.  By default only attention on CUDA devices of compute capability < 8.0 (V100, T4)
-is rewritten; ``force=True`` rewrites on every device, CPU included.
+backward of the fused op itself (``flashv100._attention_backward``, ``flashv100._flash_backward``):
+no unfused O(L*S) backward is left behind.  By default only attention on CUDA devices of compute
+capability < 8.0 (V100, T4) is rewritten; ``force=True`` rewrites on every device, CPU included.
 
 Every rewritten site increments ``torch._dynamo.utils.counters["flashv100"]["fused_attention"]``.
 Every softmax/SDPA site considered is logged on the ``torch_flash_v100.compile`` logger (INFO),

@@ -18,8 +18,8 @@ from torch.fx import Graph, Node
 
 from ._fx_nodes import Op, is_pure, mutators, ndim, norm, shape, shapes_eq, sym_eq, val
 from ._match import Reject, nd_dim
-from ._plan import (AddTerm, FillTerm, FusedCall, GivenMask, SaturatedRows, ScaleAdded,
-                    ScaleAddedByTensor)
+from ._plan import (AddTerm, AlibiSlopes, FillTerm, FusedCall, GivenMask, SaturatedRows,
+                    ScaleAdded, ScaleAddedByTensor)
 
 
 def target_op():
@@ -27,8 +27,15 @@ def target_op():
     return torch.ops.flashv100.attention.default
 
 
+def flash_op():
+    """The FlashAttention-2 op (its autograd is registered by ``torch_flash_v100``)."""
+    import torch_flash_v100  # noqa: F401
+    return torch.ops.flashv100._flash_forward.default
+
+
 class Emitter:
-    """Creates nodes before ``anchor`` and records fake values for them; undoable."""
+    """Creates nodes before ``anchor`` and records fake values for them; undoable.  A target
+    that is a string is a method of the first argument."""
 
     def __init__(self, graph: Graph, anchor: Node, key: str):
         self.graph = graph
@@ -39,7 +46,10 @@ class Emitter:
     def __call__(self, target, args, kwargs=None) -> Node:
         kwargs = kwargs or {}
         with self.graph.inserting_before(self.anchor):
-            n = self.graph.call_function(target, tuple(args), kwargs)
+            if isinstance(target, str):
+                n = self.graph.call_method(target, tuple(args), kwargs)
+            else:
+                n = self.graph.call_function(target, tuple(args), kwargs)
         self.created.append(n)
         n.meta.update({k: v for k, v in self.anchor.meta.items()
                        if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
@@ -50,14 +60,18 @@ class Emitter:
             mode = getattr(a, "fake_mode", None)
             if mode is not None:
                 break
+        fn = target
+        if isinstance(target, str):
+            fn = getattr(fargs[0], target)
+            fargs = fargs[1:]
         try:
             if mode is not None:
                 # as Dynamo computes fake values: with symbolic shapes some ops need the Python
                 # dispatcher's meta kernels (torch 2.8's C++ one for view takes concrete sizes only)
                 with mode, enable_python_dispatcher():
-                    v = target(*fargs, **fkwargs)
+                    v = fn(*fargs, **fkwargs)
             else:
-                v = target(*fargs, **fkwargs)
+                v = fn(*fargs, **fkwargs)
         except Exception as e:
             raise Reject(f"cannot build {getattr(target, '__name__', target)}: {e}") from e
         n.meta[self.key] = v
@@ -186,11 +200,15 @@ def emit(call: FusedCall, graph: Graph, key: str, erased: set, pos: dict) -> tup
     em = Emitter(graph, call.anchor, key)
     try:
         q, k, v = _operands(call, em)
-        mask = _emit_mask(call, em)
+        mask = _emit_mask(call, em) if call.flash is None else None
         for n, divide in call.q_scale_tensors:
             q = em(torch.div if divide else torch.mul, (q, n))
-        result = em(target_op(), (q, k, v, mask, float(call.dropout_p), bool(call.is_causal)),
-                    {"scale": float(call.scale), "enable_gqa": bool(call.enable_gqa)})
+        if call.flash is not None:
+            result = _flash_call(call, q, k, v, em)
+        else:
+            result = em(target_op(), (q, k, v, mask, float(call.dropout_p),
+                                      bool(call.is_causal)),
+                        {"scale": float(call.scale), "enable_gqa": bool(call.enable_gqa)})
         if call.saturated_rows is not None and mask is not None:
             result = _average_saturated_rows(call.saturated_rows, q, k, v, mask, call.scale,
                                              result, em)
@@ -205,6 +223,54 @@ def emit(call: FusedCall, graph: Graph, key: str, erased: set, pos: dict) -> tup
         raise
     _replace(graph, call.anchor, result, call.dead, erased)
     return result, mask
+
+
+def _flash_call(call: FusedCall, q, k, v, em: Emitter) -> Node:
+    """The FlashAttention-2 op on q, k, v of the op's layout ([N, L, E] or [B, H, L, E]), which
+    it takes as [B, L, H, E] views; the result back in the op's layout."""
+    rules, lead = call.flash, len(call.mask_layout)
+    slopes = _slopes_tensor(rules.alibi, q, call.mask_layout, em) \
+        if rules.alibi is not None else None
+    qf, kf, vf = (_to_flash_layout(x, lead, em) for x in (q, k, v))
+    res = em(flash_op(), (qf, kf, vf, None, None, _size(qf, 1, em), _size(kf, 1, em),
+                          float(call.dropout_p), float(call.scale), rules.window_right == 0,
+                          rules.window_left, rules.window_right, float(rules.softcap), slopes))
+    out = em(torch.transpose, (em(operator.getitem, (res, 0)), 1, 2))
+    return em(torch.squeeze, (out, 1)) if lead == 1 else out
+
+
+def _to_flash_layout(x, lead: int, em: Emitter):
+    if lead == 1:
+        x = em(torch.unsqueeze, (x, 1))
+    x = em(torch.transpose, (x, 1, 2))
+    v = val(x)
+    if not (sym_eq(v.shape[-1], 1) or sym_eq(v.stride(-1), 1)):
+        x = em("contiguous", (x,))  # the op reads rows of the last dim as vectors
+    return x
+
+
+def _size(x, dim: int, em: Emitter):
+    n = shape(x)[dim]
+    return n if isinstance(n, int) else em(torch.ops.aten.sym_size.int, (x, dim))
+
+
+def _slopes_tensor(alibi: AlibiSlopes, q, layout: tuple, em: Emitter) -> Node:
+    """The op's fp32 slopes, [B, H] (or [N, 1] for 3-D scores): ``alibi.factor * per_head``
+    broadcast over the leading dims of the scores where the bias was added, then laid out as
+    the op's (those of q)."""
+    zeros = em(torch.zeros_like, (em(operator.getitem, (q, (Ellipsis, 0, 0))),),
+               {"dtype": torch.float32})
+    zeros = relayout(zeros, layout, alibi.layout, em)
+    if alibi.per_head is None:
+        slopes = em(torch.add, (zeros, alibi.factor))
+    else:
+        per_head = em(torch.reshape, (alibi.per_head, alibi.per_head_shape))
+        per_head = em("to", (per_head, torch.float32))
+        slopes = em(torch.add, (zeros, per_head))
+        if alibi.factor != 1.0:
+            slopes = em(torch.mul, (slopes, alibi.factor))
+    slopes = relayout(slopes, alibi.layout, layout, em)
+    return em(torch.unsqueeze, (slopes, -1)) if len(layout) == 1 else slopes
 
 
 def _average_saturated_rows(rule: SaturatedRows, q, k, v, mask, scale: float, out,

@@ -1,44 +1,203 @@
-"""Proving that an attention mask is (at least) causal.
+"""What the construction of an attention mask (or position bias) proves about it.
 
-An abstract interpreter over the FX nodes that build a mask.  Each node gets a *fact*:
+An abstract interpreter over the FX nodes that build a mask gives each node a *fact*.  Positions
+are those of the tensor's last two dims once broadcast against the scores: ``i`` (dim -2, the
+query) and ``j`` (dim -1, the key); ``d = j - i`` numbers the diagonals, and a
+:class:`Diagonals` value is a set of them.  The facts:
 
-* ``("ALL", v)``: every element equals the Python constant ``v``;
-* ``("IDX", axis, off)``: element value = (index along ``axis``) + ``off``; ``axis`` counts from
-  the end (-1 = key position j, -2 = query position i once broadcast against the scores);
-* ``("L", c, exact, is01)``: truthiness fact, ``true => j - i <= c`` (``exact``: iff);
-* ``("U", c, exact, is01)``: truthiness fact, ``j - i > c => true`` (``exact``: iff);
-* ``("N", c, exact, bound)``: additive fact, ``j - i > c => value <= bound <= NEG`` (``exact``:
-  and 0 elsewhere).  Other terms added to a mask are assumed not to be hugely positive;
+* :class:`Const`: every element equals a Python constant;
+* :class:`LinearIndex`: element = offset + sum of coef * (its index along an axis): ``arange``
+  and what is computed from it;
+* :class:`DiagonalDistance`: element = ``|d - offset|``;
+* :class:`Truth`: a bool-like tensor, true at most on the diagonals ``inside`` and at least on
+  ``contains`` (``exact`` when they are the same set);
+* :class:`AdditiveMask`: a float mask at most ``bound`` (a large negative value) on the diagonals
+  ``masked``, and 0 elsewhere when ``exact``.  Other terms added to a mask are assumed not to be
+  hugely positive;
+* :class:`PositionBias`: an ALiBi bias, ``coef * per_head * (j or |d - offset|)`` plus values
+  constant along each row (which a softmax over the row does not see).
 
-``is01`` says the tensor only holds 0/1 (bool or a cast of one), which ``1 - x`` and ``x == 0``
-need.  A mask proves causal when its keep region lies inside ``j <= i`` (``c <= 0``).  Only
-sound rules are applied; anything unknown yields no fact, so the mask stays a plain mask.
+:func:`keep_region` says which diagonals a mask piece keeps (how the pass proves causality and
+sliding windows), :func:`position_bias` whether an additive piece is an ALiBi bias.  Only sound
+rules are applied; anything unknown yields no fact, so the mask stays a plain mask.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
 
 import torch
 from torch.fx import Node
 
-from ._fx_nodes import is_number, mutated, ndim, norm, shape, sym_eq
+from ._fx_nodes import is_number, mutated, ndim, norm, shape, sym_eq, val
 
 # An additive value that removes a position from the softmax (exp underflows to exactly 0).
 NEG_THRESHOLD = -1.0e4
 
+_INF = math.inf
+
 
 class MaskRole(enum.Enum):
     """How a mask piece acts on the scores."""
-    ADDITIVE = "N"  # a float tensor added to the scores
-    KEEP = "L"  # a bool tensor, True keeps (where(cond, scores, fill), SDPA bool masks)
-    MASKED = "U"  # a bool tensor, True removes (masked_fill conditions)
+    ADDITIVE = "additive"  # a float tensor added to the scores
+    KEEP = "keep"  # a bool tensor, True keeps (where(cond, scores, fill), SDPA bool masks)
+    MASKED = "masked"  # a bool tensor, True removes (masked_fill conditions)
 
 
 def is_neg(v: Any) -> bool:
     return is_number(v) and (v == -math.inf or v <= NEG_THRESHOLD)
+
+
+# ---- sets of diagonals ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Diagonals:
+    """A set of diagonals d = j - i: sorted, disjoint, non-adjacent closed integer intervals
+    ``(lo, hi)``; ``-inf`` / ``inf`` for unbounded ends."""
+    intervals: tuple = ()
+
+    @staticmethod
+    def of(*intervals) -> "Diagonals":
+        spans = sorted((lo, hi) for lo, hi in intervals if lo <= hi)
+        merged: list = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return Diagonals(tuple(merged))
+
+    @staticmethod
+    def at_most(c) -> "Diagonals":
+        return Diagonals.of((-_INF, c))
+
+    @staticmethod
+    def at_least(c) -> "Diagonals":
+        return Diagonals.of((c, _INF))
+
+    def __and__(self, other: "Diagonals") -> "Diagonals":
+        return Diagonals.of(*((max(a, c), min(b, d)) for a, b in self.intervals
+                              for c, d in other.intervals))
+
+    def __or__(self, other: "Diagonals") -> "Diagonals":
+        return Diagonals.of(*(self.intervals + other.intervals))
+
+    def complement(self) -> "Diagonals":
+        out, lo = [], -_INF
+        for a, b in self.intervals:
+            if a != -_INF:
+                out.append((lo, a - 1))
+            lo = b + 1
+        if lo != _INF:
+            out.append((lo, _INF))
+        return Diagonals.of(*out)
+
+    def shifted(self, by) -> "Diagonals":
+        return Diagonals.of(*((a + by, b + by) for a, b in self.intervals))
+
+    def issubset(self, other: "Diagonals") -> bool:
+        return (self & other) == self
+
+    def interval(self) -> Optional[tuple]:
+        """(lo, hi) when the set is one interval, else None."""
+        return self.intervals[0] if len(self.intervals) == 1 else None
+
+
+EVERY = Diagonals.of((-_INF, _INF))
+NONE = Diagonals()
+CAUSAL = Diagonals.at_most(0)
+
+
+# ---- the facts -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Const:
+    """Every element equals ``value`` (a Python number or bool)."""
+    value: Any
+
+
+@dataclass(frozen=True)
+class LinearIndex:
+    """Element = ``offset`` + sum of ``coef`` * (the element's index along ``axis``) over
+    ``terms`` ((axis, coef) pairs, axes counted from the end, no size-1 axis, sorted)."""
+    terms: tuple
+    offset: int
+
+    def coef(self, axis: int) -> int:
+        return dict(self.terms).get(axis, 0)
+
+    def diagonal_offset(self) -> Optional[tuple]:
+        """(sign, c) when element = sign * d + c, else None."""
+        t = dict(self.terms)
+        if set(t) == {-1, -2} and t[-1] == -t[-2] and abs(t[-1]) == 1:
+            return t[-1], self.offset
+        return None
+
+
+@dataclass(frozen=True)
+class DiagonalDistance:
+    """Element = |d - ``offset``|."""
+    offset: int
+
+
+@dataclass(frozen=True)
+class Truth:
+    """A bool-like tensor: where it is true, d lies in ``inside``; where d lies in ``contains``,
+    it is true.  ``is01``: it holds only 0 and 1 (bool, or a cast of one)."""
+    inside: Diagonals
+    contains: Diagonals
+    is01: bool
+
+    @property
+    def exact(self) -> bool:
+        return self.inside == self.contains
+
+
+@dataclass(frozen=True)
+class AdditiveMask:
+    """A float mask: <= ``bound`` (large negative) on the diagonals ``masked``; ``exact``: 0 on
+    every other diagonal."""
+    masked: Diagonals
+    bound: float
+    exact: bool
+
+
+@dataclass(frozen=True)
+class PositionBias:
+    """``coef * per_head * g + r``: ``g`` = j (``distance_from`` None) or |d - distance_from|,
+    ``r`` constant along each row, ``per_head`` a tensor (None: 1) which, viewed as
+    ``per_head_shape``, broadcasts from the right against this one (size 1 along j, and along i
+    too for the distance).  ALiBi."""
+    per_head: Optional[Node]
+    coef: float
+    distance_from: Optional[int] = None
+    per_head_shape: tuple = ()
+
+    def moved(self, src_nd: int, out_nd: int, dim_map: dict,
+              whole: Optional[set] = None) -> Optional["PositionBias"]:
+        """This bias after a view that moves dim p of the tensor to ``dim_map[p]`` (other dims go
+        away; ``whole``: the dims kept whole, None: all): the per-head factor's dims move
+        along, and may neither go away nor be cut."""
+        if self.per_head is None:
+            return self
+        new = [1] * out_nd
+        for k in range(1, len(self.per_head_shape) + 1):
+            size = self.per_head_shape[-k]
+            if size == 1:
+                continue
+            p = src_nd - k
+            if p < 0 or p not in dim_map or (whole is not None and p not in whole):
+                return None
+            new[dim_map[p]] = size
+        while new and new[0] == 1:
+            new.pop(0)
+        return replace(self, per_head_shape=tuple(new))
+
+
+Fact = Union[Const, LinearIndex, DiagonalDistance, Truth, AdditiveMask, PositionBias]
 
 
 def _truthy(v: Any) -> Optional[bool]:
@@ -51,22 +210,181 @@ def _is01(v: Any) -> bool:
     return isinstance(v, bool) or v in (0, 1)
 
 
-def _neg_fill_fact(fc, triangle: str, f_kept, v_fill, v_kept):
-    """Fact of where() that puts the large negative ``v_fill`` where the other branch is not taken.
+def _number(f) -> bool:
+    return isinstance(f, Const) and is_number(f.value)
 
-    ``triangle`` ("L" or "U") is the condition fact under which the kept branch is selected;
-    where(cond, x, NEG) passes ("L", x's fact, NEG, x's value), where(cond, NEG, y) the mirror.
-    """
-    cands, bound = [], v_fill
-    if fc and fc[0] == triangle:
-        cands.append(fc[1])
-    if f_kept and f_kept[0] == "N":
-        cands.append(f_kept[1])
-        bound = max(bound, f_kept[3])
-    if not cands:
+
+def _int(f) -> bool:
+    return isinstance(f, Const) and isinstance(f.value, int) and not isinstance(f.value, bool)
+
+
+def _as_truth(f) -> Optional[Truth]:
+    """The truthiness of a fact."""
+    if isinstance(f, Truth):
+        return f
+    if isinstance(f, Const):
+        t = _truthy(f.value)
+        if t is None:
+            return None
+        return Truth(EVERY, EVERY, _is01(f.value)) if t else Truth(NONE, NONE, True)
+    if isinstance(f, AdditiveMask):  # nonzero (<= bound < 0) where masked, 0 elsewhere if exact
+        return Truth(f.masked if f.exact else EVERY, f.masked, False)
+    return None
+
+
+def _as_linear(f) -> Optional[LinearIndex]:
+    if isinstance(f, LinearIndex):
+        return f
+    if _int(f):
+        return LinearIndex((), f.value)
+    return None
+
+
+def _linear(terms: dict, offset: int) -> Union[LinearIndex, Const]:
+    kept = tuple(sorted((a, c) for a, c in terms.items() if c != 0))
+    return LinearIndex(kept, offset) if kept else Const(offset)
+
+
+def _add_linear(a: LinearIndex, b: LinearIndex, sign: int = 1):
+    terms = dict(a.terms)
+    for ax, c in b.terms:
+        terms[ax] = terms.get(ax, 0) + sign * c
+    return _linear(terms, a.offset + sign * b.offset)
+
+
+def _scale_linear(a: LinearIndex, c: int):
+    return _linear({ax: k * c for ax, k in a.terms}, a.offset * c)
+
+
+def _additive(masked: Diagonals, bound, exact: bool) -> Optional[AdditiveMask]:
+    """An additive fact, if its masked values stay large negative and it masks something."""
+    if not is_neg(bound) or masked == NONE:
         return None
-    exact = bool(fc and fc[0] == triangle and fc[2] and v_kept == 0 and len(cands) == 1)
-    return ("N", min(cands), exact, bound)
+    return AdditiveMask(masked, bound, exact)
+
+
+def _negated(f):
+    if _number(f):
+        return Const(-f.value)
+    if isinstance(f, LinearIndex):
+        return _scale_linear(f, -1)
+    if isinstance(f, PositionBias):
+        return replace(f, coef=-f.coef)
+    return None
+
+
+def _not(f) -> Optional[Truth]:
+    t = _as_truth(f)
+    if t is None:
+        return None
+    return Truth(t.contains.complement(), t.inside.complement(), True)
+
+
+def _and(fa, fb) -> Optional[Fact]:
+    for f, g in ((fa, fb), (fb, fa)):
+        if isinstance(f, Const) and _truthy(f.value) is False:
+            return Const(False)
+        if isinstance(f, Const) and _truthy(f.value) is True and _is01(f.value):
+            return g
+    ta, tb = _as_truth(fa), _as_truth(fb)
+    if ta is None and tb is None:
+        return None
+    # an unknown operand may be false anywhere: only the other's upper bound survives
+    ta = ta or Truth(EVERY, NONE, False)
+    tb = tb or Truth(EVERY, NONE, False)
+    both01 = ta.is01 and tb.is01  # bitwise and of other integers can be 0 where both are true
+    return Truth(ta.inside & tb.inside, (ta.contains & tb.contains) if both01 else NONE, both01)
+
+
+def _or(fa, fb) -> Optional[Fact]:
+    for f, g in ((fa, fb), (fb, fa)):
+        if isinstance(f, Const) and _truthy(f.value) is False:
+            return g
+    ta, tb = _as_truth(fa), _as_truth(fb)
+    if ta is None and tb is None:
+        return None
+    ta = ta or Truth(EVERY, NONE, False)
+    tb = tb or Truth(EVERY, NONE, False)
+    return Truth(ta.inside | tb.inside, ta.contains | tb.contains, ta.is01 and tb.is01)
+
+
+def _compare(fa, fb, op: str) -> Optional[Fact]:
+    """Fact of ``a op b`` for index tensors (op: le, lt, eq, ne)."""
+    if isinstance(fa, Const) and isinstance(fb, Const) and is_number(fa.value) \
+            and is_number(fb.value):
+        a, b = fa.value, fb.value
+        return Const({"le": a <= b, "lt": a < b, "eq": a == b, "ne": a != b}[op])
+    if isinstance(fa, DiagonalDistance) and _int(fb) and op in ("le", "lt"):
+        c = fb.value - (1 if op == "lt" else 0)  # |d - offset| <= c
+        near = Diagonals.of((fa.offset - c, fa.offset + c))
+        return Truth(near, near, True)
+    if isinstance(fb, DiagonalDistance) and _int(fa) and op in ("le", "lt"):
+        c = fa.value + (1 if op == "lt" else 0)  # |d - offset| >= c
+        near = Diagonals.of((fb.offset - c + 1, fb.offset + c - 1)).complement()
+        return Truth(near, near, True)
+    la, lb = _as_linear(fa), _as_linear(fb)
+    if la is None or lb is None:
+        return None
+    diff = _add_linear(lb, la, -1)  # b - a
+    if isinstance(diff, Const):
+        return None  # a constant comparison of tensors: not a positional fact
+    form = diff.diagonal_offset()
+    if form is None:
+        return None
+    sign, c = form  # b - a = sign * d + c
+    if op in ("eq", "ne"):
+        hit = Diagonals.of((-sign * c, -sign * c))
+        hit = hit if op == "eq" else hit.complement()
+        return Truth(hit, hit, True)
+    least = 1 if op == "lt" else 0  # integers: b - a >= least
+    # sign * d >= least - c
+    keep = Diagonals.at_least(least - c) if sign == 1 else Diagonals.at_most(c - least)
+    return Truth(keep, keep, True)
+
+
+def _where(fc, fx, fy) -> Optional[Fact]:
+    """Fact of where(cond, x, y)."""
+    tc = _as_truth(fc)
+    if tc is not None and tc.exact and tc.inside in (EVERY, NONE):
+        return fx if tc.inside == EVERY else fy  # the condition is the same everywhere
+    vx = fx.value if isinstance(fx, Const) else None
+    vy = fy.value if isinstance(fy, Const) else None
+    if is_neg(vy):  # NEG where cond is false
+        return _neg_fill(_as_truth(fc), fx, vy)
+    if is_neg(vx):  # NEG where cond is true
+        return _neg_fill(_not(fc), fy, vx)
+    tx, ty = _truthy(vx), _truthy(vy)
+    if tx is True and ty is False:
+        if tc is None:
+            return None
+        return tc if (_is01(vx) and _is01(vy)) else replace(tc, is01=False)
+    if tx is False and ty is True:
+        nc = _not(fc)
+        if nc is None:
+            return None
+        return nc if (_is01(vx) and _is01(vy)) else replace(nc, is01=False)
+    if ty is False:  # cond and x
+        return _and(fc, fx)
+    if tx is True:  # cond or y
+        return _or(fc, fy)
+    return None
+
+
+def _neg_fill(cond: Optional[Truth], kept, fill) -> Optional[AdditiveMask]:
+    """where(cond, kept, fill) with a large negative ``fill``."""
+    masked = cond.inside.complement() if cond is not None else NONE
+    bound = fill
+    if isinstance(kept, AdditiveMask):
+        masked = masked | kept.masked
+        bound = max(bound, kept.bound)
+    exact = cond is not None and cond.exact and (
+        (isinstance(kept, Const) and kept.value == 0) or
+        (isinstance(kept, AdditiveMask) and kept.exact))
+    return _additive(masked, bound, exact)
+
+
+def _float_factor(f) -> Optional[float]:
+    return float(f.value) if _number(f) else None
 
 
 class MaskFacts:
@@ -74,9 +392,9 @@ class MaskFacts:
         self.memo: dict = {}
         self._allow: Optional[Node] = None
 
-    def fact(self, x: Any):
+    def fact(self, x: Any) -> Optional[Fact]:
         if isinstance(x, bool) or is_number(x):
-            return ("ALL", x)
+            return Const(x)
         if not isinstance(x, Node):
             return None
         if x in self.memo:
@@ -85,95 +403,46 @@ class MaskFacts:
         if mutated(x, ignore=self._allow):
             return None  # its value changes along the graph: no fact holds everywhere
         try:
-            r = self._fact(x)
+            r = self._normalised(x, self._fact(x))
         except Exception:  # a rule met a spelling it does not know: no fact
             r = None
         self.memo[x] = r
         return r
 
-    # ---- helpers -------------------------------------------------------------------------
     @staticmethod
-    def _last2_same(a: Any, out: Node) -> bool:
-        sa, so = shape(a), shape(out)
-        if sa is None or so is None or len(sa) < 2 or len(so) < 2:
-            return False
-        return sym_eq(sa[-1], so[-1]) and sym_eq(sa[-2], so[-2])
-
-    def _pos(self, f, src, out):
-        """A positional fact (L/U/N) of ``src`` survives into ``out`` if not broadcast."""
-        if f is None or f[0] not in ("L", "U", "N"):
-            return f
-        if isinstance(src, Node) and not self._last2_same(src, out):
-            return None
+    def _normalised(x: Node, f):
+        """Index terms on size-1 axes dropped (the index is always 0 there, and such axes are
+        the ones that broadcast); bool tensors hold 0/1."""
+        if isinstance(f, LinearIndex):
+            s = shape(x)
+            if s is None:
+                return None
+            return _linear({a: c for a, c in f.terms
+                            if -a <= len(s) and not sym_eq(s[a], 1)}, f.offset)
+        if isinstance(f, Truth) and not f.is01:
+            v = val(x)
+            if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+                return replace(f, is01=True)
         return f
 
+    # ---- helpers -------------------------------------------------------------------------
     @staticmethod
-    def _not(f):
-        if f is None:
-            return None
-        if f[0] == "ALL":
-            t = _truthy(f[1])
-            return None if t is None else ("ALL", not t)
-        if f[0] == "L":
-            return ("U", f[1], f[2], True)
-        if f[0] == "U":
-            return ("L", f[1], f[2], True)
-        return None
+    def _same_last(a: Any, out: Node, dims: int) -> bool:
+        sa, so = shape(a), shape(out)
+        if sa is None or so is None or len(sa) < dims or len(so) < dims:
+            return False
+        return all(sym_eq(sa[-k], so[-k]) for k in range(1, dims + 1))
 
-    @staticmethod
-    def _and(fa, fb):
-        for f, g in ((fa, fb), (fb, fa)):
-            if f is not None and f[0] == "ALL":
-                t = _truthy(f[1])
-                if t is False:
-                    return ("ALL", False)
-                if t is True and _is01(f[1]):
-                    return g
-        if fa is None or fb is None:
-            for f in (fa, fb):
-                if f is not None and f[0] == "L":
-                    return ("L", f[1], False, False)
-            return None
-        if fa[0] == "L" and fb[0] == "L":
-            return ("L", min(fa[1], fb[1]), fa[2] and fb[2], fa[3] and fb[3])
-        if fa[0] == "U" and fb[0] == "U":
-            return ("U", max(fa[1], fb[1]), False, fa[3] and fb[3])
-        for f in (fa, fb):
-            if f[0] == "L":
-                return ("L", f[1], False, False)
-        return None
-
-    @staticmethod
-    def _or(fa, fb):
-        for f, g in ((fa, fb), (fb, fa)):
-            if f is not None and f[0] == "ALL" and _truthy(f[1]) is False:
-                return g
-        if fa is None or fb is None:
-            for f in (fa, fb):
-                if f is not None and f[0] == "U":
-                    return ("U", f[1], False, False)
-            return None
-        if fa[0] == "L" and fb[0] == "L":
-            return ("L", max(fa[1], fb[1]), fa[2] and fb[2], fa[3] and fb[3])
-        if fa[0] == "U" and fb[0] == "U":
-            return ("U", min(fa[1], fb[1]), fa[2] and fb[2], fa[3] and fb[3])
-        for f in (fa, fb):
-            if f[0] == "U":
-                return ("U", f[1], False, False)
-        return None
-
-    @staticmethod
-    def _cmp_le(fa, fb, strict: bool):
-        """Fact of ``a <= b`` (``a < b`` when strict) for index tensors."""
-        if fa is None or fb is None or fa[0] != "IDX" or fb[0] != "IDX":
-            return None
-        # integers: a < b  <=>  a <= b - 1
-        ob = fb[2] - (1 if strict else 0)
-        if fa[1] == -1 and fb[1] == -2:  # j + oa <= i + ob  <=>  j - i <= ob - oa
-            return ("L", ob - fa[2], True, True)
-        if fa[1] == -2 and fb[1] == -1:  # i + oa <= j + ob  <=>  j - i > oa - ob - 1
-            return ("U", fa[2] - ob - 1, True, True)
-        return None
+    def _pos(self, f, src, out):
+        """A fact of ``src`` that still holds once ``src`` is broadcast to ``out``."""
+        if not isinstance(src, Node):
+            return f
+        if isinstance(f, (Truth, AdditiveMask, DiagonalDistance)) or (
+                isinstance(f, PositionBias) and f.distance_from is not None):
+            return f if self._same_last(src, out, 2) else None
+        if isinstance(f, PositionBias):  # j must stay j; r stays constant along a broadcast row
+            return f if self._same_last(src, out, 1) else None
+        return f
 
     # ---- the rules -----------------------------------------------------------------------
     def _fact(self, node: Node):
@@ -200,185 +469,101 @@ class MaskFacts:
         a = op.args
         f = self.fact
         if n in ("ones", "ones_like", "new_ones"):
-            return ("ALL", True if a.get("dtype") is torch.bool else 1)
+            return Const(True if a.get("dtype") is torch.bool else 1)
         if n in ("zeros", "zeros_like", "new_zeros"):
-            return ("ALL", False if a.get("dtype") is torch.bool else 0)
-        if n in ("full", "new_full", "full_like"):
-            v = a.get("fill_value")
-            return ("ALL", v) if (is_number(v) or isinstance(v, bool)) else None
-        if n == "fill_":
-            v = a.get("value")
-            return ("ALL", v) if (is_number(v) or isinstance(v, bool)) else None
-        if n in ("tensor", "new_tensor"):
-            v = a.get("data")
-            return ("ALL", v) if (is_number(v) or isinstance(v, bool)) else None
+            return Const(False if a.get("dtype") is torch.bool else 0)
+        if n in ("full", "new_full", "full_like", "fill_", "tensor", "new_tensor"):
+            v = a.get({"fill_": "value", "tensor": "data", "new_tensor": "data"}.get(
+                n, "fill_value"))
+            return Const(v) if (is_number(v) or isinstance(v, bool)) else None
         if n == "arange":
             return self._arange(op)
         if n in ("identity", "to", "cast_float", "cast_half", "cast_bfloat16", "cast_double",
                  "cast_int", "cast_bool", "type", "type_as"):
-            src = a.get("self")
-            fs = f(src)
-            if fs is not None and fs[0] in ("L", "U") and n == "cast_bool":
-                return (fs[0], fs[1], fs[2], True)
-            return fs
+            return self._cast(node, a.get("self"))
         if n in ("expand", "expand_as"):
-            src = a.get("self")
-            fs = f(src)
-            if fs is None:
-                return None
-            if fs[0] == "IDX":
-                si, so = shape(src), shape(node)
-                if si is None or so is None or not sym_eq(si[fs[1]], so[fs[1]]):
-                    return None
-                return fs
-            return self._pos(fs, src, node)
+            return self._expand(node, a.get("self"))
         if n == "unsqueeze":
             return self._unsqueeze(op)
+        if n == "squeeze":
+            return self._squeeze(op)
         if n == "reshape":
             return self._reshape(op)
         if n == "getitem":
             return self._getitem(op)
+        if n == "neg":
+            return _negated(f(a.get("self")))
+        if n == "abs":
+            return self._abs(f(a.get("self")))
         if n in ("add", "sub"):
-            x, y = a.get("self"), a.get("other")
-            fx, fy = f(x), f(y)
-            if fx is None and fy is None:
-                return None
-            if n == "sub":
-                if fx and fx[0] == "ALL" and fx[1] == 1 and fy and fy[0] in ("L", "U") \
-                        and fy[3]:
-                    return self._pos(self._not(fy), y, node)
-                if fy and fy[0] == "ALL" and is_number(fy[1]):
-                    fy = ("ALL", -fy[1])
-                else:
-                    return None
-            if fx and fy and fx[0] == "ALL" and fy[0] == "ALL" \
-                    and is_number(fx[1]) and is_number(fy[1]):
-                return ("ALL", fx[1] + fy[1])
-            for p, q in ((fx, fy), (fy, fx)):
-                if p and p[0] == "IDX" and q and q[0] == "ALL" and isinstance(q[1], int) \
-                        and not isinstance(q[1], bool):
-                    return ("IDX", p[1], p[2] + q[1])
-            fx, fy = self._pos(fx, x, node), self._pos(fy, y, node)
-            if fx and fy and fx[0] == "N" and fy[0] == "N":
-                return ("N", min(fx[1], fy[1]), False, max(fx[3], fy[3]))
-            for p, q in ((fx, fy), (fy, fx)):
-                if p and p[0] == "N":
-                    bound = p[3]
-                    if q is not None and q[0] == "ALL":
-                        if not is_number(q[1]):
-                            return None
-                        bound = bound + q[1]
-                    return _n(p[1], p[2] and q is not None and q == ("ALL", 0), bound)
-            return None
+            return self._add(node, n, a.get("self"), a.get("other"))
         if n in ("mul", "div"):
-            x, y = a.get("self"), a.get("other")
-            fx, fy = f(x), f(y)
-            if n == "div":
-                if fx and fx[0] == "N" and fy and fy[0] == "ALL" and is_number(fy[1]) \
-                        and fy[1] > 0 and not math.isinf(fy[1]):
-                    return self._pos(_n(fx[1], fx[2], fx[3] / fy[1]), x, node)
-                return None
-            for p, q, src in ((fx, fy, x), (fy, fx, y)):
-                if q is None or q[0] != "ALL":
-                    continue
-                if p and p[0] == "N" and is_number(q[1]) and q[1] > 0:
-                    return self._pos(_n(p[1], p[2], p[3] * q[1]), src, node)
-                if p and p[0] == "U" and p[3] and is_neg(q[1]) and q[1] != -math.inf:
-                    return self._pos(("N", p[1], p[2], q[1]), src, node)
-                if q[1] == 1 and not isinstance(q[1], bool):
-                    return p
-            if fx and fy and fx[0] in ("L", "U", "ALL") and fy[0] in ("L", "U", "ALL"):
-                if (fx[0] != "ALL" and not fx[3]) or (fy[0] != "ALL" and not fy[3]):
-                    return None
-                return self._pos(self._pos(self._and(fx, fy), x, node), y, node)
-            return None
-        if n in ("le", "lt", "ge", "gt"):
-            x, y = a.get("self"), a.get("other")
-            fx, fy = f(x), f(y)
+            return self._mul(node, n, a.get("self"), a.get("other"))
+        if n in ("le", "lt", "ge", "gt", "eq", "ne"):
+            x, y = f(a.get("self")), f(a.get("other"))
             if n in ("ge", "gt"):
-                fx, fy = fy, fx
-            return self._cmp_le(fx, fy, strict=n in ("lt", "gt"))
-        if n in ("eq", "ne"):
-            x, y = a.get("self"), a.get("other")
-            fx, fy = f(x), f(y)
-            if fy is not None and fy[0] in ("L", "U"):
-                fx, fy, x = fy, fx, y
-            if fx is None or fx[0] not in ("L", "U") or fy is None or fy[0] != "ALL":
-                return None
-            t = _truthy(fy[1])
-            if t is None or not _is01(fy[1]):
-                return None
-            if t and not fx[3]:
-                return None
-            positive = (n == "eq") == t  # x == 1 / x != 0  -> x;  x == 0 / x != 1 -> not x
-            r = fx if positive else self._not(fx)
-            return self._pos((r[0], r[1], r[2], True), x, node)
+                x, y, n = y, x, {"ge": "le", "gt": "lt"}[n]
+            if n in ("eq", "ne"):
+                r = self._truth_equals(x, y, n) or self._truth_equals(y, x, n)
+                if r is not None:
+                    return r
+            return _compare(x, y, n)
         if n in ("and", "or"):
             x, y = a.get("self"), a.get("other")
-            fx = self._pos(f(x), x, node)
-            fy = self._pos(f(y), y, node)
-            return self._and(fx, fy) if n == "and" else self._or(fx, fy)
+            fx, fy = self._pos(f(x), x, node), self._pos(f(y), y, node)
+            return _and(fx, fy) if n == "and" else _or(fx, fy)
         if n == "not":
-            return self._not(f(a.get("self")))
+            v = val(node)
+            if not (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+                return None  # ~x of integers is no logical not
+            return _not(f(a.get("self")))
         if n in ("tril", "triu"):
-            d = a.get("diagonal", 0)
-            if not isinstance(d, int):
-                return None
-            fs = f(a.get("self"))
-            if n == "tril":
-                if fs and fs[0] == "ALL" and _truthy(fs[1]):
-                    return ("L", d, True, _is01(fs[1]))
-                if fs and fs[0] == "L":
-                    return ("L", min(d, fs[1]), False, fs[3])
-                return ("L", d, False, False)
-            if fs and fs[0] == "ALL":
-                if is_neg(fs[1]):
-                    return ("N", d - 1, True, fs[1])
-                if _truthy(fs[1]):
-                    return ("U", d - 1, True, _is01(fs[1]))
-            return None
+            return self._triangle(n, a.get("self"), a.get("diagonal", 0))
         if n == "where":
             c, x, y = a.get("condition"), a.get("self"), a.get("other")
-            fc = self._pos(f(c), c, node)
-            fx = self._pos(f(x), x, node)
-            fy = self._pos(f(y), y, node)
-            return self._where(fc, fx, fy)
+            return _where(self._pos(f(c), c, node), self._pos(f(x), x, node),
+                          self._pos(f(y), y, node))
         if n == "masked_fill":
             x, c, v = a.get("self"), a.get("mask"), a.get("value")
-            fx = self._pos(f(x), x, node)
-            fc = self._pos(f(c), c, node)
             fv = f(v)
-            if fv is None or fv[0] != "ALL":
+            if not isinstance(fv, Const):
                 return None
-            return self._where(fc, fv, fx)
+            return _where(self._pos(f(c), c, node), fv, self._pos(f(x), x, node))
+        if n == "diff":
+            return self._diff(op)
+        if n == "cumsum":
+            fs = f(a.get("self"))
+            return Const(0) if isinstance(fs, Const) and fs.value in (0, False) else None
         return None
 
-    def _where(self, fc, fx, fy):
-        """Fact of where(cond, x, y)."""
-        vx = fx[1] if fx and fx[0] == "ALL" else None
-        vy = fy[1] if fy and fy[0] == "ALL" else None
-        # additive masks
-        if is_neg(vy):  # NEG where cond is false
-            return _neg_fill_fact(fc, "L", fx, vy, vx)
-        if is_neg(vx):  # NEG where cond is true
-            return _neg_fill_fact(fc, "U", fy, vx, vy)
-        # truthiness
-        tx, ty = _truthy(vx), _truthy(vy)
-        if tx is True and ty is False:
-            return fc if (_is01(vx) and _is01(vy)) else self._weak(fc)
-        if tx is False and ty is True:
-            return self._not(fc) if (_is01(vx) and _is01(vy)) else self._weak(self._not(fc))
-        if ty is False:  # cond and x
-            return self._and(fc, fx)
-        if tx is True:  # cond or y
-            return self._or(fc, fy)
-        return None
+    def _cast(self, node: Node, src):
+        fs = self.fact(src)
+        vo, vi = val(node), val(src)
+        to_bool = isinstance(vo, torch.Tensor) and vo.dtype == torch.bool and not (
+            isinstance(vi, torch.Tensor) and vi.dtype == torch.bool)
+        if to_bool:
+            if isinstance(fs, Const):
+                t = _truthy(fs.value)
+                return None if t is None else Const(t)
+            t = _as_truth(fs)
+            return None if t is None else replace(t, is01=True)
+        if isinstance(vo, torch.Tensor) and not vo.is_floating_point():
+            if isinstance(fs, (AdditiveMask, PositionBias)):
+                return None  # float masks do not survive a cast to integers
+            if _number(fs) and math.isfinite(fs.value):
+                return Const(int(fs.value))
+            if _number(fs):
+                return None
+        return fs
 
-    @staticmethod
-    def _weak(f):
-        if f is None or f[0] not in ("L", "U"):
-            return f
-        return (f[0], f[1], f[2], False)
+    def _expand(self, node: Node, src):
+        fs = self.fact(src)
+        if isinstance(fs, LinearIndex):
+            si, so = shape(src), shape(node)
+            if si is None or so is None or not all(sym_eq(si[ax], so[ax]) for ax, _ in fs.terms):
+                return None
+            return fs
+        return self._pos(fs, src, node)
 
     def _arange(self, op):
         va = list(op.varargs or [])
@@ -395,44 +580,254 @@ class MaskFacts:
             return None
         if ndim(op.node) != 1:
             return None
-        return ("IDX", -1, start)
+        return LinearIndex(((-1, 1),), start)
+
+    def _abs(self, fs):
+        if _number(fs):
+            return Const(abs(fs.value))
+        if isinstance(fs, LinearIndex):
+            form = fs.diagonal_offset()
+            if form is not None:  # |sign * d + c| = |d + sign * c|
+                sign, c = form
+                return DiagonalDistance(-sign * c)
+        return None
+
+    def _add(self, node: Node, name: str, x, y):
+        fx, fy = self.fact(x), self.fact(y)
+        if name == "sub":
+            if isinstance(fx, Const) and fx.value == 1 and isinstance(fy, Truth) and fy.is01:
+                return self._pos(_not(fy), y, node)  # 1 - keep
+            if isinstance(fx, Truth) and isinstance(fy, Truth) and fx.is01 and fy.is01 and \
+                    fy.inside.issubset(fx.contains):
+                # 0/1 minus 0/1 that is 1 only where the first is: x and not y
+                return _and(self._pos(fx, x, node), self._pos(_not(fy), y, node))
+            fy = _negated(fy)
+            if fy is None:
+                return None
+        if fx is None and fy is None:
+            return None
+        if _number(fx) and _number(fy):
+            return Const(fx.value + fy.value)
+        lx, ly = _as_linear(fx), _as_linear(fy)
+        if lx is not None and ly is not None:
+            return _add_linear(lx, ly)
+        fx, fy = self._pos(fx, x, node), self._pos(fy, y, node)
+        if isinstance(fx, AdditiveMask) and isinstance(fy, AdditiveMask):
+            # each <= 0: the sum is <= either bound where either masks, 0 where neither does
+            return _additive(fx.masked | fy.masked, max(fx.bound, fy.bound),
+                             fx.exact and fy.exact)
+        for p, q in ((fx, fy), (fy, fx)):
+            if isinstance(p, AdditiveMask):
+                if isinstance(q, Const):
+                    if not is_number(q.value):
+                        return None
+                    return _additive(p.masked, p.bound + q.value, p.exact and q.value == 0)
+                if q is None:
+                    return _additive(p.masked, p.bound, False)
+                return None
+            if isinstance(p, PositionBias) and _number(q):
+                return p  # a constant: the same for every key
+        return None
+
+    def _mul(self, node: Node, name: str, x, y):
+        fx, fy = self.fact(x), self.fact(y)
+        if name == "div":
+            c = _float_factor(fy)
+            if c is None or c == 0 or math.isinf(c):
+                return None
+            if isinstance(fx, AdditiveMask):
+                return self._pos(_additive(fx.masked, fx.bound / c, fx.exact)
+                                 if c > 0 else None, x, node)
+            if isinstance(fx, PositionBias):
+                return replace(fx, coef=fx.coef / c)
+            if isinstance(fx, LinearIndex):
+                return self._bias_of(fx, None, 1.0 / c)
+            if isinstance(fx, DiagonalDistance):
+                return PositionBias(None, 1.0 / c, fx.offset)
+            return None
+        if _number(fx) and _number(fy):
+            return Const(fx.value * fy.value)
+        for p, q, src, other in ((fx, fy, x, y), (fy, fx, y, x)):
+            if isinstance(q, Const):
+                c = q.value
+                if isinstance(p, AdditiveMask) and is_number(c) and c > 0:
+                    return self._pos(_additive(p.masked, p.bound * c, p.exact), src, node)
+                if isinstance(p, Truth) and p.is01 and is_neg(c) and c != -math.inf:
+                    # 0/1 times a finite large negative value: NEG where true, 0 where false
+                    return self._pos(_additive(p.contains, c, p.exact), src, node)
+                if isinstance(p, LinearIndex) and _int(q):
+                    return _scale_linear(p, c)
+                if isinstance(p, LinearIndex) and is_number(c):
+                    return self._bias_of(p, None, float(c))
+                if isinstance(p, DiagonalDistance) and is_number(c):
+                    return PositionBias(None, float(c), p.offset)
+                if isinstance(p, PositionBias) and is_number(c):
+                    return replace(p, coef=p.coef * c)
+                if c == 1 and not isinstance(c, bool):
+                    return p
+            elif q is None and isinstance(p, (LinearIndex, DiagonalDistance, PositionBias)):
+                bias = p if isinstance(p, PositionBias) else (
+                    PositionBias(None, 1.0, p.offset) if isinstance(p, DiagonalDistance)
+                    else self._bias_of(p, None, 1.0))
+                if bias is None or bias.per_head is not None:
+                    return None
+                per_head = self._per_head(other, node, bias.distance_from is not None)
+                if per_head is None:
+                    return None
+                return self._pos(replace(bias, per_head=other, per_head_shape=per_head), src,
+                                 node)
+        tx, ty = _as_truth(fx), _as_truth(fy)
+        if tx is not None and ty is not None and not isinstance(fx, AdditiveMask) and \
+                not isinstance(fy, AdditiveMask):
+            if not (tx.is01 and ty.is01):
+                return None
+            return _and(self._pos(fx, x, node), self._pos(fy, y, node))
+        return None
+
+    @staticmethod
+    def _bias_of(lin: LinearIndex, per_head, factor: float) -> Optional[PositionBias]:
+        """factor * lin as a position bias: its key coefficient (the rest is constant along
+        each row)."""
+        col = lin.coef(-1)
+        return PositionBias(per_head, factor * col) if col else None
+
+    @staticmethod
+    def _per_head(t: Any, out: Node, distance: bool) -> Optional[tuple]:
+        """The shape of ``t`` when it can be the per-head factor of the bias ``out``: a float
+        tensor of static shape, of size 1 along j (and i, for a distance) against ``out``."""
+        tv, so = val(t), shape(out)
+        if not (isinstance(t, Node) and isinstance(tv, torch.Tensor) and tv.is_floating_point()
+                and so is not None and tv.dim() <= len(so)):
+            return None
+        st = tuple(tv.shape)
+        if not all(isinstance(d, int) for d in st) or any(d != 1 for d in st[-(1 + distance):]):
+            return None
+        return st
+
+    @staticmethod
+    def _truth_equals(ft, fc, name: str):
+        """x == 1 / x != 0 (-> x), x == 0 / x != 1 (-> not x) of a truth fact x."""
+        if not isinstance(ft, Truth) or not isinstance(fc, Const):
+            return None
+        t = _truthy(fc.value)
+        if t is None or not _is01(fc.value) or (t and not ft.is01):
+            return None
+        positive = (name == "eq") == t
+        r = ft if positive else _not(ft)
+        return replace(r, is01=True)
+
+    def _triangle(self, name: str, src, diagonal):
+        """tril keeps d <= diagonal, triu keeps d >= diagonal, zeros elsewhere."""
+        if not isinstance(diagonal, int):
+            return None
+        kept = Diagonals.at_most(diagonal) if name == "tril" else Diagonals.at_least(diagonal)
+        fs = self.fact(src)
+        if isinstance(fs, Const):
+            if is_neg(fs.value):
+                return _additive(kept, fs.value, True)
+            t = _truthy(fs.value)
+            if t is None:
+                return None
+            return Truth(kept, kept, _is01(fs.value)) if t else Const(fs.value)
+        t = _as_truth(fs)
+        if t is None:
+            return Truth(kept, NONE, False)
+        return Truth(t.inside & kept, t.contains & kept, t.is01)
+
+    def _diff(self, op):
+        """torch.diff(x, dim=d[, prepend=p]) of an index tensor along an axis where it grows by a
+        constant step: that step everywhere (with ``p`` one step before x's first element)."""
+        x, dim = op.args.get("self"), op.args.get("dim", -1)
+        if op.args.get("n", 1) != 1 or op.args.get("append") is not None:
+            return None
+        nd = ndim(x)
+        if nd is None or not isinstance(dim, int):
+            return None
+        ax = dim - nd if dim >= 0 else dim
+        fx = _as_linear(self.fact(x))
+        if fx is None:
+            return None
+        step = fx.coef(ax)
+        prepend = op.args.get("prepend")
+        if prepend is not None:
+            fp, sp = _as_linear(self.fact(prepend)), shape(prepend)
+            rest = tuple((a, c) for a, c in fx.terms if a != ax)
+            if fp is None or sp is None or len(sp) != nd or not sym_eq(sp[ax], 1) or \
+                    fp.terms != rest or fp.offset != fx.offset - step:
+                return None
+        return Const(step)
 
     def _unsqueeze(self, op):
         src, dim = op.args.get("self"), op.args.get("dim")
-        fs = self.fact(src)
-        nd = ndim(op.node)
-        if fs is None or nd is None or not isinstance(dim, int):
+        nd_in = ndim(src)
+        if nd_in is None or not isinstance(dim, int):
             return None
-        if fs[0] == "ALL":
-            return fs
-        d = dim if dim >= 0 else dim + nd
-        if fs[0] == "IDX":
-            ax = fs[1] + nd  # position in output if inserted before it
-            if d > ax - 1:  # inserted after the axis -> axis-from-end shifts
-                return ("IDX", fs[1] - 1, fs[2])
-            return fs
-        if d >= nd - 2:
+        d = dim if dim >= 0 else dim + nd_in + 1
+        return self._moved(self.fact(src), nd_in, nd_in + 1,
+                           {p: p if p < d else p + 1 for p in range(nd_in)})
+
+    def _squeeze(self, op):
+        src, dim = op.args.get("self"), op.args.get("dim")
+        si, so = shape(src), shape(op.node)
+        if si is None or so is None or not isinstance(dim, int):
             return None
+        d = dim if dim >= 0 else dim + len(si)
+        if len(so) != len(si) - 1 or not sym_eq(si[d], 1):
+            return None
+        return self._moved(self.fact(src), len(si), len(so),
+                           {p: p if p < d else p - 1 for p in range(len(si)) if p != d})
+
+    @staticmethod
+    def _moved(fs, nd_in: int, nd_out: int, dim_map: dict, whole: Optional[set] = None):
+        """The fact of a view (``nd_in`` -> ``nd_out`` dims) that moves dim p of its input to
+        ``dim_map[p]``, drops the others (``whole``: the dims kept whole, None: all; cut dims
+        start at 0) and inserts size-1 dims; positional facts need the last two dims to stay
+        last."""
+        if fs is None or isinstance(fs, Const):
+            return fs
+        if isinstance(fs, LinearIndex):
+            terms = {}
+            for ax, c in fs.terms:
+                p = nd_in + ax
+                if p not in dim_map or (whole is not None and p not in whole):
+                    return None
+                terms[dim_map[p] - nd_out] = c
+            return _linear(terms, fs.offset)
+        last = [nd_in - 1, nd_in - 2]
+        needs = 1 if isinstance(fs, PositionBias) and fs.distance_from is None else 2
+        if any(p not in dim_map or dim_map[p] - nd_out != p - nd_in for p in last[:needs]):
+            return None
+        if isinstance(fs, PositionBias):
+            return fs.moved(nd_in, nd_out, dim_map, whole)
         return fs
 
     def _reshape(self, op):
         src = op.args.get("self")
         fs = self.fact(src)
-        if fs is None:
-            return None
-        if fs[0] == "ALL":
+        if fs is None or isinstance(fs, Const):
             return fs
         si, so = shape(src), shape(op.node)
         if si is None or so is None:
             return None
-        if fs[0] == "IDX":
-            n = si[fs[1]]
+        if isinstance(fs, LinearIndex) and len(fs.terms) == 1:
+            ax = fs.terms[0][0]
+            n = si[ax]
             others = [i for i, s in enumerate(so) if not sym_eq(s, 1)]
-            if len(si) == 1 or all(sym_eq(s, 1) for i, s in enumerate(si)
-                                   if i != len(si) + fs[1]):
-                if len(others) == 1 and sym_eq(so[others[0]], n):
-                    return ("IDX", others[0] - len(so), fs[2])
+            if all(sym_eq(s, 1) for i, s in enumerate(si) if i != len(si) + ax) and \
+                    len(others) == 1 and sym_eq(so[others[0]], n):
+                return LinearIndex(((others[0] - len(so), fs.terms[0][1]),), fs.offset)
+        # only size-1 dims come or go: element (..., i, j) stays where it is
+        non1_in = [p for p, d in enumerate(si) if not sym_eq(d, 1)]
+        non1_out = [p for p, d in enumerate(so) if not sym_eq(d, 1)]
+        if len(non1_in) == len(non1_out) and all(
+                sym_eq(si[a], so[b]) for a, b in zip(non1_in, non1_out)):
+            moved = self._moved(fs, len(si), len(so), dict(zip(non1_in, non1_out)))
+            if moved is not None or not self._same_last(src, op.node, 2):
+                return moved
+        if isinstance(fs, (LinearIndex, PositionBias)) and not (
+                isinstance(fs, LinearIndex) and all(a >= -2 for a, _ in fs.terms)):
             return None
+        # the leading dims reshaped, the last two kept
         return self._pos(fs, src, op.node)
 
     def _getitem(self, op):
@@ -443,73 +838,124 @@ class MaskFacts:
         if fs is None or in_nd is None or out_nd is None:
             return None
         items = list(idx) if isinstance(idx, tuple) else [idx]
+        if any(isinstance(it, Node) for it in items):
+            return self._gather(fs, src, items)
         consuming = sum(1 for it in items if it is not None and it is not Ellipsis)
         if Ellipsis in items:
             k = items.index(Ellipsis)
             items = items[:k] + [slice(None)] * (in_nd - consuming) + items[k + 1:]
         else:
             items = items + [slice(None)] * (in_nd - consuming)
-        mapping = {}  # input dim -> (output dim, slice)
+        dim_map, starts = {}, {}  # input dim -> output dim, and where a slice of it starts
         out_d = in_d = 0
         for it in items:
             if it is None:
                 out_d += 1
             elif isinstance(it, slice):
-                mapping[in_d] = (out_d, it)
+                s = 0 if it.start is None else it.start
+                if it.step not in (None, 1) or not isinstance(s, int) or s < 0:
+                    return None
+                dim_map[in_d] = out_d
+                starts[in_d] = (s, it.stop is None)
                 out_d += 1
                 in_d += 1
             elif isinstance(it, int) and not isinstance(it, bool):
                 in_d += 1
             else:
-                return None  # advanced (tensor) indexing
+                return None
         if out_d != out_nd:
             return None
-        if fs[0] == "ALL":
+        if isinstance(fs, Const):
             return fs
-
-        def start_of(sl):
-            if sl.step not in (None, 1):
-                return None
-            s = 0 if sl.start is None else sl.start
-            return s if isinstance(s, int) and s >= 0 else None
-
-        if fs[0] == "IDX":
-            ax = in_nd + fs[1]
-            if ax not in mapping:
-                return None
-            o, sl = mapping[ax]
-            s = start_of(sl)
-            if s is None:
-                return None
-            return ("IDX", o - out_nd, fs[2] + s)
-        r, c = in_nd - 2, in_nd - 1
-        if r not in mapping or c not in mapping:
+        if isinstance(fs, LinearIndex):
+            moved = self._moved(fs, in_nd, out_nd, dim_map)
+            offset = sum(c * starts[in_nd + ax][0] for ax, c in fs.terms
+                         if in_nd + ax in starts)
+            return _add_linear(_as_linear(moved), LinearIndex((), offset)) \
+                if moved is not None else None
+        whole = {p for p, (s, open_end) in starts.items() if s == 0 and open_end}
+        moved = self._moved(fs, in_nd, out_nd, dim_map, whole)
+        if moved is None:
             return None
-        (orow, srow), (ocol, scol) = mapping[r], mapping[c]
-        if orow != out_nd - 2 or ocol != out_nd - 1:
+        # element (i, j) here is (i + r0, j + c0) there: d there = d here + c0 - r0
+        by = starts[in_nd - 1][0] - starts.get(in_nd - 2, (0, True))[0]
+        if isinstance(moved, Truth):
+            return Truth(moved.inside.shifted(-by), moved.contains.shifted(-by), moved.is01)
+        if isinstance(moved, AdditiveMask):
+            return AdditiveMask(moved.masked.shifted(-by), moved.bound, moved.exact)
+        if isinstance(moved, DiagonalDistance):
+            return DiagonalDistance(moved.offset - by)
+        if isinstance(moved, PositionBias):
+            if moved.distance_from is None:
+                return moved  # j + c0: c0 * coef * per_head more on every row
+            return replace(moved, distance_from=moved.distance_from - by)
+        return None
+
+    def _gather(self, fs, src, items):
+        """x[t_0, ..., t_{n-1}] with an integer index tensor for every dim of x: element =
+        x at (t_0, ..., t_{n-1}) there."""
+        in_nd = ndim(src)
+        if len(items) != in_nd or not all(isinstance(it, Node) for it in items):
             return None
-        r0, c0 = start_of(srow), start_of(scol)
-        if r0 is None or c0 is None:
+        for it in items:
+            v = val(it)
+            if not isinstance(v, torch.Tensor) or v.dtype == torch.bool or \
+                    v.is_floating_point():
+                return None
+        if isinstance(fs, Const):
+            return fs
+        if not isinstance(fs, LinearIndex):
             return None
-        # original j' - i' <= c with i' = i + r0, j' = j + c0  ->  j - i <= c + r0 - c0
-        return (fs[0], fs[1] + r0 - c0) + tuple(fs[2:])
+        total = Const(fs.offset)
+        for ax, c in fs.terms:
+            fi = _as_linear(self.fact(items[in_nd + ax]))
+            # negative indices count from the end: only indices known to be >= 0
+            if fi is None or fi.offset < 0 or any(k < 0 for _, k in fi.terms):
+                return None
+            total = _add_linear(_as_linear(total), _scale_linear(fi, c))
+        return total
 
 
-def _n(c, exact, bound):
-    """An additive fact, if its masked values stay large negative."""
-    return ("N", c, exact, bound) if is_neg(bound) else None
+# ---- what a mask piece keeps ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Keep:
+    """The diagonals a mask piece keeps: at most ``inside``; ``exact``: exactly those, with the
+    scores unchanged there (0 added, or no fill)."""
+    inside: Diagonals
+    exact: bool
 
 
-def causal_bound(facts: MaskFacts, node: Any, role: MaskRole, factor: Optional[float] = 1.0):
-    """(implies_causal, exactly_causal) for a mask piece.
+def keep_region(facts: MaskFacts, node: Any, role: MaskRole,
+                factor: Optional[float] = 1.0) -> Optional[Keep]:
+    """What a mask piece keeps, or None when nothing is known.
 
     ``factor``: the positive constant that multiplies an additive piece after it is added
-    (None: unknown).
-    """
+    (None: unknown)."""
     f = facts.fact(node)
-    kind = role.value  # the fact that proves a causal bound for this role
-    if f is None or f[0] != kind:
+    if role is MaskRole.ADDITIVE:
+        if isinstance(f, Const) and f.value == 0:
+            return Keep(EVERY, True)
+        if not isinstance(f, AdditiveMask) or factor is None or not is_neg(f.bound * factor):
+            return None
+        return Keep(f.masked.complement(), f.exact)
+    t = _as_truth(f)
+    if t is None:
+        return None
+    if role is MaskRole.KEEP:
+        return Keep(t.inside, t.exact)
+    return Keep(t.contains.complement(), t.exact)
+
+
+def causal_bound(facts: MaskFacts, node: Any, role: MaskRole,
+                 factor: Optional[float] = 1.0) -> tuple[bool, bool]:
+    """(implies_causal, exactly_causal) for a mask piece."""
+    k = keep_region(facts, node, role, factor)
+    if k is None:
         return False, False
-    if kind == "N" and (factor is None or not is_neg(f[3] * factor)):
-        return False, False
-    return f[1] <= 0, bool(f[2]) and f[1] == 0
+    return k.inside.issubset(CAUSAL), k.exact and k.inside == CAUSAL
+
+
+def position_bias(facts: MaskFacts, node: Any) -> Optional[PositionBias]:
+    f = facts.fact(node)
+    return f if isinstance(f, PositionBias) else None

@@ -3,8 +3,9 @@
 From a softmax over the last dim the matcher walks
 
 * forwards through casts, dropout and reshapes of the leading dims to the ``p @ v`` product, and
-* backwards through scale factors, additive masks, ``masked_fill`` / ``where`` fills, casts and
-  reshapes to the ``q @ k^T`` product (``matmul``, ``bmm``, ``@``, ``einsum``, ``baddbmm``),
+* backwards through scale factors, additive masks, ``masked_fill`` / ``where`` fills, tanh
+  (soft-capping), casts and reshapes to the ``q @ k^T`` product (``matmul``, ``bmm``, ``@``,
+  ``einsum``, ``baddbmm``),
 
 recording what it passes as typed :data:`ScoreStep` values.  Nothing here edits the graph or
 decides what the fused call looks like: that is :mod:`._plan`.
@@ -65,7 +66,13 @@ class FillMask:
     fill_where_true: bool
 
 
-ScoreStep = Union[ReshapeScores, ScaleBy, ScaleByTensor, AddMask, FillMask]
+@dataclass(frozen=True)
+class Tanh:
+    """The scores through tanh (soft-capping: ``cap * tanh(scores / cap)``, the factors around it
+    being ``ScaleBy`` steps)."""
+
+
+ScoreStep = Union[ReshapeScores, ScaleBy, ScaleByTensor, AddMask, FillMask, Tanh]
 
 
 @dataclass(frozen=True)
@@ -184,6 +191,7 @@ def _walk_to_qk(x: Node) -> tuple[Product, list[ScoreStep], list[Node]]:
     chain: list[Node] = []
     cur = x
     qk = None
+    capped = False  # a tanh passed: the scores below it are no longer shift invariant
     for _ in range(64):
         chain.append(cur)
         o = norm(cur)
@@ -212,8 +220,19 @@ def _walk_to_qk(x: Node) -> tuple[Product, list[ScoreStep], list[Node]]:
         if o.name in ("mul", "div"):
             cur = _scale_step(o, steps)
             continue
+        if o.name == "tanh":
+            if capped:
+                raise Reject("tanh applied twice to the scores")
+            steps.append(Tanh())
+            capped = True
+            cur = o.get("self")
+            continue
         if o.name in ("add", "sub"):
             a, b = o.get("self"), o.get("other")
+            shift = b if is_number(b) else a if o.name == "add" and is_number(a) else None
+            if capped and shift is not None and shift != 0:
+                raise Reject("a constant added to the scores before the tanh soft-capping "
+                             "(the op caps the scaled q @ k^T itself)")
             if is_number(b):
                 cur = a  # constant shift: softmax is shift invariant
                 continue
@@ -221,7 +240,12 @@ def _walk_to_qk(x: Node) -> tuple[Product, list[ScoreStep], list[Node]]:
                 cur = b
                 continue
             if o.name == "sub":
-                raise Reject("scores minus a tensor")
+                if not reaches_scores(a):
+                    raise Reject("a tensor minus the scores" if reaches_scores(b) else
+                                 "no q @ k^T product behind the sub")
+                steps.append(AddMask(b, -1.0, val(cur).dtype))
+                cur = a
+                continue
             if reaches_scores(a):
                 steps.append(AddMask(b, 1.0, val(cur).dtype))
                 cur = a
@@ -315,7 +339,7 @@ def reaches_scores(n: Any, depth: int = 0) -> bool:
         if isinstance(a, Node) and reaches_scores(a, depth + 1):
             return True
         return o.name in ("mul", "add") and isinstance(b, Node) and reaches_scores(b, depth + 1)
-    if o.name in ("masked_fill", "reshape") or o.name in CASTS or o.name == "identity":
+    if o.name in ("masked_fill", "reshape", "tanh") or o.name in CASTS or o.name == "identity":
         return reaches_scores(o.get("self"), depth + 1)
     if o.name == "where":
         return any(reaches_scores(o.get(k), depth + 1) for k in ("self", "other"))

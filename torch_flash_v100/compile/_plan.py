@@ -4,7 +4,9 @@ Pure: reads the graph and the example values, creates no node.  A :class:`FusedC
 tensors feed ``flashv100.attention`` and how each is brought to the op's layout
 (:class:`Operand`), the total ``scale``, the mask as an ordered list of :data:`MaskTerm` values,
 whether the mask is proven causal, GQA, dropout, and how the result goes back to the model's
-layout.  :mod:`._emit` turns it into nodes.
+layout; or, when a window, soft-capping or an ALiBi bias express the whole mask, the
+FlashAttention-2 op's :class:`FlashRules` instead of the mask.  :mod:`._emit` turns it into
+nodes.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 from torch.fx import Node
 
 from ._fx_nodes import is_number, ndim, norm, shape, shapes_eq, sym_eq, val
-from ._masks import MaskFacts, MaskRole, causal_bound, is_neg
+from ._masks import (CAUSAL, EVERY, AdditiveMask, Const, MaskFacts, MaskRole, causal_bound,
+                     is_neg, keep_region, position_bias)
 from ._match import (AddMask, AttentionMatch, FillMask, Product, Reject, ReshapeScores,
-                     ScaleBy, ScaleByTensor, SdpaMatch, nd_dim)
+                     ScaleBy, ScaleByTensor, SdpaMatch, Tanh, nd_dim)
 
 
 @dataclass(frozen=True)
@@ -110,9 +113,32 @@ class SaturatedRows:
     threshold: float  # a row is saturated when all its mask values are equal and <= this
 
 
+@dataclass(frozen=True)
+class AlibiSlopes:
+    """The ALiBi slopes of a site: ``factor * per_head`` for each (batch, head) of the scores'
+    leading dims ``layout`` (where the bias is added), ``per_head`` (None: 1) viewed as
+    ``per_head_shape`` broadcasting against them from the right."""
+    per_head: Optional[Node]
+    per_head_shape: tuple
+    factor: float
+    layout: tuple
+
+
+@dataclass(frozen=True)
+class FlashRules:
+    """A site computed by the FlashAttention-2 op (``flashv100::_flash_forward``, which takes no
+    mask): its window (-1: unbounded; right 0: causal, aligned bottom-right), softcap (0: off)
+    and ALiBi slopes express the whole mask."""
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi: Optional[AlibiSlopes] = None
+
+
 @dataclass
 class FusedCall:
-    """One ``flashv100.attention`` call replacing ``anchor`` (the p @ v product or SDPA call)."""
+    """One fused call replacing ``anchor`` (the p @ v product or SDPA call):
+    ``flashv100.attention``, or the FlashAttention-2 op where ``flash`` is set."""
     anchor: Node
     q: Operand
     k: Operand
@@ -131,6 +157,8 @@ class FusedCall:
     causal_note: str = ""
     origin: str = "softmax"  # "softmax" | "sdpa"
     saturated_rows: Optional[SaturatedRows] = None
+    flash: Optional[FlashRules] = None
+    note: str = ""  # why a window or ALiBi bias stays a mask
 
 
 def device_supported(t: Any, force: bool) -> tuple[bool, str]:
@@ -340,12 +368,14 @@ def _check_operands(q: Operand, k: Operand, v: Operand, m: AttentionMatch, out: 
 
 @dataclass
 class _MaskPiece:
-    """A mask piece for the causal proof: the tensor, how it masks, the positive factor applied
-    to it after it meets the scores (None: unknown), and the fill value of fills."""
+    """A mask piece for the causal and window proofs: the tensor, how it masks, the positive
+    factor applied to it after it meets the scores (None: unknown), the fill value of fills, the
+    scores' leading dims where it applies."""
     node: Any
     role: MaskRole
     factor: Optional[float]
     fill: Optional[float] = None
+    layout: tuple = ()
 
 
 def plan_softmax(m: AttentionMatch, facts: MaskFacts, force: bool) -> FusedCall:
@@ -368,20 +398,33 @@ def plan_softmax(m: AttentionMatch, facts: MaskFacts, force: bool) -> FusedCall:
     pieces: list[_MaskPiece] = []
     terms: list = []
     q_scale_tensors: list = []
+    softcap = None  # after a tanh: the factors applied to tanh's output (the op's softcap)
     cur_b = qb
     for st in reversed(m.steps):
         if isinstance(st, ReshapeScores):
             cur_b = shape(st.node)[:-2]
+        elif isinstance(st, Tanh):
+            if pieces or terms:
+                raise Reject("a mask applied before the tanh soft-capping (the op caps the "
+                             "scores before masking them)")
+            softcap = 1.0
         elif isinstance(st, ScaleBy):
             c = st.factor
             if c <= 0 and (pieces or terms):
                 raise Reject("non-positive scale applied after a mask")
+            if softcap is not None:
+                if c <= 0:
+                    raise Reject("a non-positive factor after the tanh soft-capping")
+                softcap *= c
             scale *= c
             for pc in pieces:
                 pc.factor = None if pc.factor is None else pc.factor * c
             if any(isinstance(t, AddTerm) for t in terms):
                 terms.append(ScaleAdded(c))
         elif isinstance(st, ScaleByTensor):
+            if softcap is not None:
+                raise Reject("a tensor factor applied after the tanh soft-capping (the op's "
+                             "softcap is a constant)")
             if any(isinstance(t, FillTerm) for t in terms):
                 raise Reject("tensor scale applied after a masked_fill")
             q_scale_tensors.append((st.node, st.divide))
@@ -397,20 +440,20 @@ def plan_softmax(m: AttentionMatch, facts: MaskFacts, force: bool) -> FusedCall:
                 continue
             if not isinstance(mv, torch.Tensor) or not mv.is_floating_point():
                 raise Reject("additive mask is not a floating or bool tensor")
-            pieces.append(_MaskPiece(st.mask, MaskRole.ADDITIVE, 1.0))
+            pieces.append(_MaskPiece(st.mask, MaskRole.ADDITIVE, st.beta, layout=cur_b))
             terms.append(AddTerm(st.mask, st.beta, cur_b, st.dtype))
         else:
             assert isinstance(st, FillMask)
             fv = facts.fact(st.value)
-            if fv is None or fv[0] != "ALL" or not is_neg(fv[1]):
+            if not isinstance(fv, Const) or not is_neg(fv.value):
                 raise Reject("masked_fill/where fills a value that is not a large "
                              "negative constant")
             cv = val(st.cond)
             if not isinstance(cv, torch.Tensor) or cv.dtype != torch.bool:
                 raise Reject("fill condition is not a bool tensor")
             role = MaskRole.MASKED if st.fill_where_true else MaskRole.KEEP
-            pieces.append(_MaskPiece(st.cond, role, 1.0, fv[1]))
-            terms.append(FillTerm(st.cond, st.fill_where_true, fv[1], cur_b))
+            pieces.append(_MaskPiece(st.cond, role, 1.0, fv.value, cur_b))
+            terms.append(FillTerm(st.cond, st.fill_where_true, fv.value, cur_b))
 
     for pc in pieces:
         if pc.fill is not None and pc.fill != -math.inf and not (
@@ -418,9 +461,7 @@ def plan_softmax(m: AttentionMatch, facts: MaskFacts, force: bool) -> FusedCall:
             raise Reject("a masked_fill value is scaled down until it no longer masks")
     implied = exact = False
     for pc in pieces:
-        ps = shape(pc.node)
-        if ps is None or len(ps) < 2 or not (sym_eq(ps[-1], scores[-1]) and
-                                             sym_eq(ps[-2], scores[-2])):
+        if not _positional(pc, scores):
             continue
         imp, ex = causal_bound(facts, pc.node, pc.role, pc.factor)
         if imp and pc.role is MaskRole.ADDITIVE and not _saturates(facts, pc, scores_dtype):
@@ -430,17 +471,126 @@ def plan_softmax(m: AttentionMatch, facts: MaskFacts, force: bool) -> FusedCall:
         implied = implied or imp
         exact = exact or (ex and len(pieces) == 1)
 
-    if exact:
-        terms = []
-    implied, saturated = _saturated_rows(terms, implied)
     gqa = mqa
     if not gqa:
         k, v, gqa = _strip_gqa(k, v)
-    return FusedCall(
+    call = FusedCall(
         anchor=m.pv.node, q=q, k=k, v=v, scale=scale, is_causal=implied, enable_gqa=gqa,
         dropout_p=m.dropout_p, mask_terms=terms, mask_layout=sb,
         q_scale_tensors=q_scale_tensors, result_layout=(sb, pb), result_permute=out_perm,
-        dead=m.probs_chain, read_from=m.qk.node, saturated_rows=saturated)
+        dead=m.probs_chain, read_from=m.qk.node)
+    rules, why = _flash_rules(facts, pieces, terms, scores, scores_dtype, sb, q, v,
+                              softcap or 0.0)
+    if rules is not None:
+        call.mask_terms, call.is_causal, call.flash = [], False, rules
+        return call
+    if softcap is not None:
+        raise Reject(f"tanh soft-capping needs the FlashAttention-2 op, which cannot take "
+                     f"this site: {why}")
+    call.note = why
+    if exact:
+        call.mask_terms = []
+    call.is_causal, call.saturated_rows = _saturated_rows(call.mask_terms, implied)
+    return call
+
+
+def _positional(pc: _MaskPiece, scores: tuple) -> bool:
+    """Whether a piece spans the scores' last two dims (its facts then speak of them)."""
+    ps = shape(pc.node)
+    return ps is not None and len(ps) >= 2 and sym_eq(ps[-1], scores[-1]) and \
+        sym_eq(ps[-2], scores[-2])
+
+
+def _flash_rules(facts: MaskFacts, pieces: list, terms: list, scores: tuple,
+                 dtype: torch.dtype, layout: tuple, q: Operand, v: Operand,
+                 softcap: float) -> tuple[Optional[FlashRules], str]:
+    """The FlashAttention-2 op's rules for a mask program, when they express it exactly and
+    the site needs them (a window other than causal, an ALiBi bias, soft-capping); else None
+    and why not ("" when nothing calls for them).
+
+    Every piece must be an exact band of diagonals (their intersection one interval) or the
+    one ALiBi bias; every query row must see a key (the op gives 0 where eager's finite masks
+    give an average over all keys)."""
+    alibi_pieces, plain, band = [], 0, EVERY
+    for pc in pieces:
+        bias = position_bias(facts, pc.node) if pc.role is MaskRole.ADDITIVE else None
+        if bias is not None:
+            alibi_pieces.append((pc, bias))
+            continue
+        keep = keep_region(facts, pc.node, pc.role, pc.factor) if _positional(pc, scores) \
+            else None
+        if keep is None or not keep.exact or _requires_grad(pc.node) or (
+                pc.role is MaskRole.ADDITIVE and keep.inside != EVERY and
+                not _saturates(facts, pc, dtype)):
+            plain += 1
+        else:
+            band = band & keep.inside
+    if not (softcap or alibi_pieces or band not in (EVERY, CAUSAL)):
+        return None, ""
+    what = "window" if band not in (EVERY, CAUSAL) else "ALiBi bias" if alibi_pieces else ""
+    stays = f"the {what} stays a mask: " if what and not softcap else ""
+    if plain or any(isinstance(t, AddTerm) and t.promoted_bool for t in terms):
+        return None, (f"{stays}the mask also holds more than a band of diagonals (e.g. "
+                      "padding), which the FlashAttention-2 op cannot take")
+    if len(alibi_pieces) > 1:
+        return None, f"{stays}two position biases"
+    if len(layout) not in (1, 2):
+        return None, f"{stays}{len(layout) + 2}-D scores (the FlashAttention-2 op takes 3-D " \
+                     "or 4-D)"
+    if not sym_eq(q.shape()[-1], v.shape()[-1]):
+        return None, f"{stays}the value head dim differs from the query's (the " \
+                     "FlashAttention-2 op takes one head dim)"
+    len_q, len_k = scores[-2], scores[-1]
+    if isinstance(len_q, int) and isinstance(len_k, int):
+        shift = len_k - len_q
+    elif sym_eq(len_q, len_k):
+        shift = 0
+    else:
+        return None, f"{stays}query and key lengths that may differ (symbolic)"
+    span = band.interval()
+    if span is None:
+        return None, f"{stays}the mask keeps no single band of diagonals"
+    lo, hi = span
+    if hi < 0 or lo > shift:
+        return None, f"{stays}query rows that see no key (eager's fully masked rows are not " \
+                     "the op's)"
+    if hi < shift:
+        return None, f"{stays}a band that ends left of the bottom-right diagonal (the op's " \
+                     "windows are aligned bottom-right)"
+    slopes = None
+    if alibi_pieces:
+        (pc, bias), = alibi_pieces
+        slopes, why = _alibi_slopes(pc, bias, shift, hi)
+        if slopes is None:
+            return None, f"{stays}{why}"
+    return FlashRules(window_left=-1 if lo == -math.inf else shift - lo,
+                      window_right=-1 if hi == math.inf else hi - shift, softcap=softcap,
+                      alibi=slopes), ""
+
+
+def _alibi_slopes(pc: _MaskPiece, bias, shift: int, hi) -> tuple[Optional[AlibiSlopes], str]:
+    """The op's slopes for an ALiBi piece kept on the diagonals <= ``hi``: its bias is
+    -slope * |d - shift| there, equal to the piece up to a constant per row."""
+    if pc.factor is None:
+        return None, "an ALiBi bias scaled by a tensor"
+    if _requires_grad(bias.per_head):
+        return None, "learnable ALiBi slopes (the op gives them no gradient)"
+    lead = list(bias.per_head_shape[:-2])
+    while lead and lead[0] == 1:
+        lead.pop(0)
+    if any(d != 1 for d in bias.per_head_shape[-2:]) or len(lead) > len(pc.layout):
+        return None, "ALiBi slopes that vary along the query rows"
+    coef = bias.coef * pc.factor
+    if bias.distance_from is None:
+        if hi > shift:
+            return None, ("an ALiBi bias slope * j on keys right of the diagonal (the op's "
+                          "ALiBi is -slope * |i - j|: equal only for causal attention)")
+        factor = coef
+    else:
+        if bias.distance_from != shift and hi > min(bias.distance_from, shift):
+            return None, "an ALiBi distance |i - j + c| centred off the op's diagonal"
+        factor = -coef
+    return AlibiSlopes(bias.per_head, tuple(lead), factor, pc.layout), ""
 
 
 def _saturated_rows(terms: list, is_causal: bool) -> tuple[bool, Optional[SaturatedRows]]:
@@ -475,10 +625,10 @@ def saturation(dtype: torch.dtype) -> float:
 
 
 def _saturates(facts: MaskFacts, pc: _MaskPiece, dtype: torch.dtype) -> bool:
-    """Whether the values an additive piece puts past the diagonal absorb the scores."""
+    """Whether the values an additive piece puts where it masks absorb the scores."""
     f = facts.fact(pc.node)
-    return f is not None and f[0] == "N" and pc.factor is not None and \
-        f[3] * pc.factor <= saturation(dtype)
+    return isinstance(f, AdditiveMask) and pc.factor is not None and \
+        f.bound * pc.factor <= saturation(dtype)
 
 
 def _requires_grad(x: Any) -> bool:
@@ -499,6 +649,24 @@ def plan_sdpa(m: SdpaMatch, facts: MaskFacts, force: bool) -> FusedCall:
         q_scale_tensors = [(scale, False)]
         scale = 1.0
     mask, is_causal, note = m.attn_mask, m.is_causal, ""
+    k, v, gqa = Operand(m.key), Operand(m.value), m.enable_gqa
+    if not gqa:
+        k, v, gqa = _strip_gqa(k, v)
+    call = FusedCall(
+        anchor=m.node, q=Operand(m.query), k=k, v=v, scale=float(scale), is_causal=is_causal,
+        enable_gqa=gqa, dropout_p=m.dropout_p, mask_layout=tuple(qv.shape[:-2]),
+        q_scale_tensors=q_scale_tensors, origin="sdpa")
+    if mask is not None and not is_causal:
+        mv = val(mask)
+        role = MaskRole.KEEP if mv.dtype == torch.bool else MaskRole.ADDITIVE
+        rules, call.note = _flash_rules(
+            facts, [_MaskPiece(mask, role, 1.0, layout=call.mask_layout)], [],
+            tuple(qv.shape[-2:-1]) + (val(m.key).shape[-2],),
+            mv.dtype if mv.is_floating_point() else torch.float32, call.mask_layout,
+            call.q, call.v, 0.0)
+        if rules is not None:
+            call.flash = rules
+            return call
     if mask is not None and not is_causal:
         ps, ss = shape(mask), (tuple(qv.shape[-2:-1]) + (val(m.key).shape[-2],))
         if ps is not None and len(ps) >= 2 and sym_eq(ps[-1], ss[-1]) and \
@@ -520,15 +688,9 @@ def plan_sdpa(m: SdpaMatch, facts: MaskFacts, force: bool) -> FusedCall:
             is_causal, note = m.is_causal, ""
         else:
             saturated = SaturatedRows(True, saturation(torch.float32))
-    k, v, gqa = Operand(m.key), Operand(m.value), m.enable_gqa
-    if not gqa:
-        k, v, gqa = _strip_gqa(k, v)
-    return FusedCall(
-        anchor=m.node, q=Operand(m.query), k=k, v=v, scale=float(scale), is_causal=is_causal,
-        enable_gqa=gqa, dropout_p=m.dropout_p,
-        mask_terms=[GivenMask(mask)] if mask is not None else [],
-        q_scale_tensors=q_scale_tensors, causal_note=note, origin="sdpa",
-        saturated_rows=saturated)
+    call.is_causal, call.causal_note, call.saturated_rows = is_causal, note, saturated
+    call.mask_terms = [GivenMask(mask)] if mask is not None else []
+    return call
 
 
 def _is_insert_at2(index) -> bool:

@@ -40,9 +40,27 @@ def _where(node: Node) -> str:
 
 
 def describe(call: FusedCall, mask) -> str:
+    if call.flash is not None:
+        rules = call.flash
+        desc = ["from SDPA" if call.origin == "sdpa" else f"scale={call.scale:.6g}"]
+        if rules.window_right == 0:
+            desc.append("causal=True")
+        if (rules.window_left, rules.window_right) not in ((-1, -1), (-1, 0)):
+            desc.append(f"window_size=({rules.window_left}, {rules.window_right})")
+        if rules.softcap:
+            desc.append(f"softcap={rules.softcap:.6g}")
+        if rules.alibi is not None:
+            desc.append("alibi_slopes=yes")
+        if call.dropout_p:
+            desc.append(f"dropout_p={call.dropout_p}")
+        if call.enable_gqa:
+            desc.append("gqa")
+        return "flashv100._flash_forward(" + ", ".join(desc) + ")"
+    note = f"; {call.note}" if call.note else ""
     if call.origin == "sdpa":
         return (f"flashv100.attention(from SDPA, is_causal={call.is_causal}{call.causal_note}, "
-                f"mask={'yes' if mask is not None else 'no'}, enable_gqa={call.enable_gqa})")
+                f"mask={'yes' if mask is not None else 'no'}, enable_gqa={call.enable_gqa})"
+                f"{note}")
     desc = [f"scale={call.scale:.6g}"]
     if call.is_causal:
         desc.append("is_causal=True")
@@ -52,7 +70,7 @@ def describe(call: FusedCall, mask) -> str:
         desc.append(f"dropout_p={call.dropout_p}")
     if call.enable_gqa:
         desc.append("enable_gqa=True")
-    return "flashv100.attention(" + ", ".join(desc) + ")"
+    return "flashv100.attention(" + ", ".join(desc) + ")" + note
 
 
 class AttentionRewriter:
