@@ -197,6 +197,30 @@ def check_not_rewritten(fn, args, *, reason: str, train: bool = False, force: bo
     return cap
 
 
+def scores(q, k):
+    """q @ k^T scaled by 0.25: the scores of the hand-written attention test models."""
+    return torch.matmul(q, k.transpose(-2, -1)) * 0.25
+
+
+def query_key_positions(s):
+    """Column of query indices i and row of key indices j of scores s, for mask spellings."""
+    i = torch.arange(s.size(-2), device=s.device)[:, None]
+    j = torch.arange(s.size(-1), device=s.device)[None, :]
+    return i, j
+
+
+def assert_parameter_grads_close(out_c, out_e, params, grad_out):
+    """The gradients of every parameter through the compiled and the eager output, relative to
+    the gradient's scale: tiny random models have ill-conditioned layer norms (DeiT's
+    zero-initialised tokens give 1e6-sized gradients)."""
+    gc = torch.autograd.grad(out_c, params, grad_out, allow_unused=True)
+    ge = torch.autograd.grad(out_e, params, grad_out, allow_unused=True)
+    for a, b in zip(gc, ge):
+        if a is not None and b is not None:
+            scale = max(b.abs().max().item(), 1.0)
+            torch.testing.assert_close(a, b, atol=5e-4 * scale, rtol=1e-3)
+
+
 def qkv(b=2, h=4, l=8, s=None, e=16, ev=None, hk=None, dtype=torch.float32, layout="bhld",
         seed=0):
     """Random q, k, v; layout "bhld" ([B, H, L, E]) or "blhd" ([B, L, H, E])."""

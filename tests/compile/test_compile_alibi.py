@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_testing import DEVICE, check, no_grad_input, qkv
+from compile_testing import DEVICE, check, no_grad_input, qkv, query_key_positions, scores
 from torch_flash_v100.compile import history
 
 TRAIN = pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
@@ -20,29 +20,19 @@ def _slopes(dtype=torch.float32, h=H):  # BLOOM's and MPT's: 2 ** (-8 * (h + 1) 
     return no_grad_input(2.0 ** (-8.0 * torch.arange(1, h + 1, dtype=dtype, device=DEVICE) / h))
 
 
-def _scores(q, k):
-    return torch.matmul(q, k.transpose(-2, -1)) * 0.25
-
-
-def _ij(s):
-    i = torch.arange(s.size(-2), device=s.device)[:, None]
-    j = torch.arange(s.size(-1), device=s.device)[None, :]
-    return i, j
-
-
 def relative_causal(q, k, v, slopes):  # slope * (j - i), causal
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s + slopes.view(1, -1, 1, 1) * (j - i)
     return F.softmax(s.masked_fill(j > i, torch.finfo(s.dtype).min), dim=-1) @ v
 
 
 def mpt(q, k, v, slopes):  # transformers' MPT: arange(1 - S, 1) * slopes, cut to the keys
-    s = _scores(q, k)
+    s = scores(q, k)
     alibi = torch.arange(1 - 64, 1, dtype=torch.int32, device=s.device).view(1, 1, 1, 64)
     alibi = (alibi * slopes.view(1, H, 1, 1)).squeeze(0)
     bias = alibi[:, 0:, 64 - s.size(-1):]
-    i, j = _ij(s)
+    i, j = query_key_positions(s)
     s = (s + bias).masked_fill(j > i, torch.finfo(s.dtype).min)
     return F.softmax(s.float(), dim=-1).to(v.dtype) @ v
 
@@ -50,7 +40,7 @@ def mpt(q, k, v, slopes):  # transformers' MPT: arange(1 - S, 1) * slopes, cut t
 def keys_only_before_scale(q, k, v, slopes):  # Falcon's order: (q @ k^T + bias) * scale
     s = torch.matmul(q, k.transpose(-2, -1))
     s = (s + slopes[:, None, None] * torch.arange(L, device=s.device)) * 0.25
-    i, j = _ij(s)
+    i, j = query_key_positions(s)
     return F.softmax(s + torch.triu(torch.full((L, L), float("-inf"), device=s.device), 1),
                      dim=-1) @ v
 
@@ -61,35 +51,35 @@ def bloom_3d(q, k, v, slopes):  # BLOOM's layout: baddbmm on [B * H, L, S], a 4-
     v3 = v.reshape(B * H, L, E)
     alibi = slopes.repeat(B)[:, None, None] * torch.arange(L, device=q.device)
     s = alibi.baddbmm(batch1=q3, batch2=k3, beta=1.0, alpha=0.25).view(B, H, L, L)
-    i, j = _ij(s)
+    i, j = query_key_positions(s)
     s = s.masked_fill(j > i, torch.finfo(s.dtype).min)
     p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(p.view(B * H, L, L), v3).view(B, H, L, E)
 
 
 def symmetric(q, k, v, slopes):  # FlashAttention-2's own: -slope * |i - j|, not causal
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     return F.softmax(s - slopes[:, None, None] * (i - j).abs(), dim=-1) @ v
 
 
 def symmetric_window(q, k, v, slopes):
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s - slopes[:, None, None] * torch.abs(j - i)
     return F.softmax(s.masked_fill((i - j).abs() > 2, float("-inf")), dim=-1) @ v
 
 
 def constant_slope(q, k, v):  # one slope for every head, a Python number
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s + 0.5 * (j - i)
     return F.softmax(s.masked_fill(j > i, float("-inf")), dim=-1) @ v
 
 
 def per_batch_and_head(q, k, v, slopes):  # slopes [B, H]
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s + slopes[:, :, None, None] * j
     return F.softmax(s.masked_fill(j > i, float("-inf")), dim=-1) @ v
 
@@ -164,41 +154,41 @@ def test_alibi_slope_values(name, dtype):
 # ---- left to flashv100.attention as an additive mask --------------------------------------------
 
 def keys_not_causal(q, k, v, slopes):  # slope * j without causality: not the op's ALiBi
-    s = _scores(q, k)
+    s = scores(q, k)
     return F.softmax(s + slopes[:, None, None] * torch.arange(L, device=s.device), -1) @ v
 
 
 def per_row_slopes(q, k, v, slopes):  # a slope for every query row: not per head
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s + slopes.view(1, 1, L, 1) * j
     return F.softmax(s.masked_fill(j > i, float("-inf")), dim=-1) @ v
 
 
 def quadratic(q, k, v, slopes):  # slope * (j - i) ** 2: not ALiBi
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s + slopes.view(1, -1, 1, 1) * (j - i) ** 2
     return F.softmax(s.masked_fill(j > i, float("-inf")), dim=-1) @ v
 
 
 def random_bias(q, k, v, bias):  # T5-style learned position bias
-    s = _scores(q, k) + bias
-    i, j = _ij(s)
+    s = scores(q, k) + bias
+    i, j = query_key_positions(s)
     return F.softmax(s.masked_fill(j > i, float("-inf")), dim=-1) @ v
 
 
 def with_padding(q, k, v, slopes, keep):
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s + slopes.view(1, -1, 1, 1) * (j - i)
     s = s.masked_fill(j > i, torch.finfo(s.dtype).min)
     return F.softmax(s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min), -1) @ v
 
 
 def learnable(q, k, v, slopes):
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s + slopes.view(1, -1, 1, 1) * (j - i)
     return F.softmax(s.masked_fill(j > i, float("-inf")), dim=-1) @ v
 

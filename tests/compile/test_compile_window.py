@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_testing import DEVICE, check, qkv
+from compile_testing import DEVICE, check, qkv, query_key_positions, scores
 from test_compile_gqa import repeat_kv
 from torch_flash_v100.compile import history
 
@@ -17,25 +17,15 @@ B, H, L, E = 2, 4, 8, 16
 W = 3  # the window of the Mistral-style masks: the diagonal and the two keys before it
 
 
-def _scores(q, k):
-    return torch.matmul(q, k.transpose(-2, -1)) * 0.25
-
-
-def _ij(s):
-    i = torch.arange(s.size(-2), device=s.device)[:, None]
-    j = torch.arange(s.size(-1), device=s.device)[None, :]
-    return i, j
-
-
 def arange_bool_fill(q, k, v):  # keep i - W < j <= i
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     keep = (j <= i) & (j > i - W)
     return F.softmax(s.masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
 def hf_additive(q, k, v):  # transformers' masks: where(keep, 0, finfo.min), added; fp32 softmax
-    s = _scores(q, k)
+    s = scores(q, k)
     qi = torch.arange(s.size(-2), device=s.device)[None, None, :, None]
     kj = torch.arange(s.size(-1), device=s.device)[None, None, None, :]
     keep = (kj > qi - W) & (kj <= qi)
@@ -45,56 +35,56 @@ def hf_additive(q, k, v):  # transformers' masks: where(keep, 0, finfo.min), add
 
 
 def tril_triu(q, k, v):  # the band as tril(ones) with triu(.., -W + 1)
-    s = _scores(q, k)
+    s = scores(q, k)
     band = torch.ones(L, L, dtype=torch.bool, device=s.device).tril().triu(-W + 1)
     return F.softmax(s.masked_fill(~band, torch.finfo(s.dtype).min), dim=-1) @ v
 
 
 def tril_minus_tril(q, k, v):  # causal and not (d <= -W)
-    s = _scores(q, k)
+    s = scores(q, k)
     ones = torch.ones(L, L, device=s.device)
     band = torch.tril(ones) - torch.tril(ones, diagonal=-W)
     return F.softmax(s.masked_fill(band == 0, float("-inf")), dim=-1) @ v
 
 
 def two_fills(q, k, v):  # causality and the window as two separate masks
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s.masked_fill(j > i, float("-inf"))
     s = torch.where(i - j < W, s, torch.finfo(s.dtype).min)
     return F.softmax(s, dim=-1) @ v
 
 
 def too_far_or_future(q, k, v):  # transformers 4.4x: the masked set as (j > i) | (j <= i - W)
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     masked = (j > i) | (j <= i - W)
     m = torch.full((L, L), torch.finfo(s.dtype).min, device=s.device, dtype=s.dtype) * masked
     return F.softmax(s + m, dim=-1) @ v
 
 
 def bidirectional(q, k, v):  # |i - j| <= 2, not causal (transformers' bidirectional overlay)
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     m = torch.zeros(L, L, device=s.device, dtype=s.dtype)
     m = m.masked_fill((i - j).abs() > 2, torch.finfo(s.dtype).min)
     return F.softmax(s + m, dim=-1) @ v
 
 
 def looks_ahead(q, k, v):  # j <= i + 1: one key past the diagonal
-    s = _scores(q, k)
+    s = scores(q, k)
     causal = torch.tril(torch.ones(L, L, dtype=torch.bool, device=s.device), diagonal=1)
     return F.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) @ v
 
 
 def anti_causal(q, k, v):  # masks the lower triangle: j >= i
-    s = _scores(q, k)
+    s = scores(q, k)
     m = torch.tril(torch.full((L, L), float("-inf"), device=s.device), diagonal=-1)
     return F.softmax(s + m, dim=-1) @ v
 
 
 def bottom_right(q, k, v):  # L < S, query i at position i + S - L: bottom-right causal
-    s = _scores(q, k)
+    s = scores(q, k)
     l_, s_ = s.size(-2), s.size(-1)
     qi = torch.arange(s_ - l_, s_, device=s.device)[:, None]
     kj = torch.arange(s_, device=s.device)[None, :]
@@ -148,7 +138,7 @@ def test_window_3d_scores(train):
     def fn(q, k, v):  # [B * H, L, E] operands and bmm
         q3, k3, v3 = (t.reshape(B * H, L, E) for t in (q, k, v))
         s = torch.bmm(q3, k3.transpose(1, 2)) * 0.25
-        i, j = _ij(s)
+        i, j = query_key_positions(s)
         s = s.masked_fill((j > i) | (j <= i - W), float("-inf"))
         return torch.bmm(F.softmax(s, dim=-1), v3).view(B, H, L, E)
 
@@ -176,8 +166,8 @@ def test_dynamic_lengths(train):
 
 def test_dropout_is_passed():
     def fn(q, k, v):
-        s = _scores(q, k)
-        i, j = _ij(s)
+        s = scores(q, k)
+        i, j = query_key_positions(s)
         p = F.dropout(F.softmax(s.masked_fill((j > i) | (j <= i - W), float("-inf")), -1), 0.3)
         return p @ v
 
@@ -194,36 +184,36 @@ def _pad_keep():
 
 
 def window_and_padding(q, k, v, keep):
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     s = s.masked_fill((j > i) | (j <= i - W), torch.finfo(s.dtype).min)
     s = s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)
     return F.softmax(s, dim=-1) @ v
 
 
 def window_and_padding_one_mask(q, k, v, keep):  # transformers' padded masks: one tensor
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     m = ((j <= i) & (j > i - W))[None, None] & keep[:, None, None, :]
     return F.softmax(s + torch.where(m, 0.0, torch.finfo(s.dtype).min), dim=-1) @ v
 
 
 def widening_window(q, k, v):  # keeps j >= (i - 1) // 2: the width varies with the row
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     return F.softmax(s.masked_fill((j > i) | (2 * j < i - 1), float("-inf")), dim=-1) @ v
 
 
 def per_row_widths(q, k, v, widths):  # the window of each row from a tensor
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     return F.softmax(s.masked_fill((j > i) | (j <= i - widths[:, None]), float("-inf")),
                      dim=-1) @ v
 
 
 def strictly_before(q, k, v):  # i - 3 <= j < i: row 0 sees no key
-    s = _scores(q, k)
-    i, j = _ij(s)
+    s = scores(q, k)
+    i, j = query_key_positions(s)
     return F.softmax(s.masked_fill((j >= i) | (j < i - 3), torch.finfo(s.dtype).min),
                      dim=-1) @ v
 

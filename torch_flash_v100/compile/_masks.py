@@ -280,18 +280,25 @@ def _not(f) -> Optional[Truth]:
     return Truth(t.contains.complement(), t.inside.complement(), True)
 
 
+def _truths(fa, fb) -> Optional[tuple]:
+    """Both operands as Truths, None when neither is one. An unknown operand may be true or false
+    anywhere: only the other's bound survives."""
+    ta, tb = _as_truth(fa), _as_truth(fb)
+    if ta is None and tb is None:
+        return None
+    return ta or Truth(EVERY, NONE, False), tb or Truth(EVERY, NONE, False)
+
+
 def _and(fa, fb) -> Optional[Fact]:
     for f, g in ((fa, fb), (fb, fa)):
         if isinstance(f, Const) and _truthy(f.value) is False:
             return Const(False)
         if isinstance(f, Const) and _truthy(f.value) is True and _is01(f.value):
             return g
-    ta, tb = _as_truth(fa), _as_truth(fb)
-    if ta is None and tb is None:
+    truths = _truths(fa, fb)
+    if truths is None:
         return None
-    # an unknown operand may be false anywhere: only the other's upper bound survives
-    ta = ta or Truth(EVERY, NONE, False)
-    tb = tb or Truth(EVERY, NONE, False)
+    ta, tb = truths
     both01 = ta.is01 and tb.is01  # bitwise and of other integers can be 0 where both are true
     return Truth(ta.inside & tb.inside, (ta.contains & tb.contains) if both01 else NONE, both01)
 
@@ -300,11 +307,10 @@ def _or(fa, fb) -> Optional[Fact]:
     for f, g in ((fa, fb), (fb, fa)):
         if isinstance(f, Const) and _truthy(f.value) is False:
             return g
-    ta, tb = _as_truth(fa), _as_truth(fb)
-    if ta is None and tb is None:
+    truths = _truths(fa, fb)
+    if truths is None:
         return None
-    ta = ta or Truth(EVERY, NONE, False)
-    tb = tb or Truth(EVERY, NONE, False)
+    ta, tb = truths
     return Truth(ta.inside | tb.inside, ta.contains | tb.contains, ta.is01 and tb.is01)
 
 
