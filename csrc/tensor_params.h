@@ -124,10 +124,10 @@ struct KVCacheArgs {
 // Layouts, dtypes, devices and shapes (page_size a multiple of 16, block_table int32 [B, max_pages]
 // with a contiguous last dim, no cache_batch_idx with a paged cache, rotary_dim even and <= D with
 // enough cos/sin rows for every position, num_splits in [0, 128]) and, when check_values, the index
-// tensors' values, read on the host (one device-to-host copy each on CUDA): 0 <= cache_leftpad <=
-// cache_seqlens, cache_seqlens + S_new <= capacity(), cache_batch_idx in [0, B_cache), and the
-// block_table entries of the pages that hold rows [leftpad, cache_seqlens + S_new) in
-// [0, num_pages). The CUDA op skips the values while its stream captures a CUDA graph, and when
+// tensors' values, read on the host (one device-to-host copy for all on CUDA):
+// 0 <= cache_leftpad <= cache_seqlens, cache_seqlens + S_new <= capacity(), cache_batch_idx in
+// [0, B_cache), and the block_table entries of the pages that hold rows
+// [leftpad, cache_seqlens + S_new) in [0, num_pages). The CUDA op skips the values while its stream captures a CUDA graph, and when
 // its caller asks it to (check_index_values=False).
 void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_values);
 // out [B, Sq, Hq, D] (query's dtype) and softmax_lse [B, Hq, Sq] (fp32; fp64 for fp64 inputs).

@@ -3,7 +3,8 @@
 (plain, dropout alone, a broadcast additive mask plus dropout, a prefix padding mask), and the
 FlashAttention-2 ops on packed batches with empty sequences, windows, softcap, ALiBi, dropout and
 GQA, and flash_attn_with_kvcache (decode tile, paged caches, split-KV and its combine, rotary,
-left padding, batch indices, chunked prefill): the workload that scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck).
+left padding, batch indices, chunked prefill): the workload that scripts/gpu_check.sh runs under
+compute-sanitizer (memcheck, racecheck).
 Exits non-zero on a non-finite result; the sanitizer reports memory errors and shared-memory
 races itself."""
 import argparse

@@ -348,7 +348,7 @@ flash_attn_with_kvcache.__doc__ = """Attention of new queries to a KV cache, app
 
     check_index_values (keyword only, not in FlashAttention-2): the index values (cache_seqlens,
         cache_leftpad, cache_batch_idx, block_table) are checked on the host. On CUDA that is one
-        device-to-host copy each, and each copy waits for the GPU's queued work: an eager decode
+        device-to-host copy of them all, which waits for the GPU's queued work: an eager decode
         loop pays that in every layer of every step. False trusts them, as FlashAttention-2
         does: no copies, and values outside the rules above read and write out of bounds. While
         the current CUDA stream captures a graph they are trusted either way (a capture cannot
