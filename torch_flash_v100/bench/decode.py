@@ -150,7 +150,7 @@ def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_byt
     seqlens = torch.full((cfg.B,), cfg.S - 1, dtype=torch.int32, device=device)
     contiguous = paged = None
     if any(not _is_paged(n) for n in impls):
-        contiguous = (rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D), rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D), None)
+        contiguous = (rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D), rnd(cfg.B, cfg.S, cfg.Hkv, cfg.D))
     if any(_is_paged(n) for n in impls):
         pages = -(-cfg.S // cfg.page_size)
         perm = torch.randperm(cfg.B * pages, generator=torch.Generator().manual_seed(seed))
@@ -159,9 +159,8 @@ def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_byt
                  perm.reshape(cfg.B, pages).to(device, torch.int32))
     read = cfg.kv_bytes()
     for name in impls:
-        if name in ("flashv100", "flashv100-trusted", "flashv100-paged",
-                    "flashv100-paged-trusted"):
-            kc, vc, table = paged if _is_paged(name) else contiguous
+        if name.startswith("flashv100"):
+            kc, vc, table = paged if _is_paged(name) else (*contiguous, None)
             out[name] = (lambda kc=kc, vc=vc, table=table, check=not name.endswith("-trusted"):
                          flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
                                                  block_table=table, check_index_values=check),
@@ -169,7 +168,7 @@ def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_byt
         elif name in ("sdpa-flash", "sdpa-efficient"):
             backend = "FLASH_ATTENTION" if name == "sdpa-flash" else "EFFICIENT_ATTENTION"
             qs = q.transpose(1, 2)
-            ks, vs = (t.transpose(1, 2) for t in contiguous[:2])
+            ks, vs = (t.transpose(1, 2) for t in contiguous)
             try:
                 call, gqa = _sdpa_call(backend, qs, ks, vs)
             except (ImportError, AttributeError) as e:
@@ -201,7 +200,7 @@ def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_byt
                 out[name] = (None, "repeated K/V exceed the cap")
                 continue
             qs = q.transpose(1, 2)
-            ks, vs = (t.transpose(1, 2) for t in contiguous[:2])
+            ks, vs = (t.transpose(1, 2) for t in contiguous)
             out[name] = (lambda qs=qs, ks=ks, vs=vs: naive_attention(qs, ks, vs), read)
         else:
             raise KeyError(f"unknown decode implementation {name!r}; choose from {DECODE_IMPLS}")

@@ -659,22 +659,17 @@ def plan_sdpa(m: SdpaMatch, facts: MaskFacts, force: bool) -> FusedCall:
     if mask is not None and not is_causal:
         mv = val(mask)
         role = MaskRole.KEEP if mv.dtype == torch.bool else MaskRole.ADDITIVE
+        piece = _MaskPiece(mask, role, 1.0, layout=call.mask_layout)
+        scores = tuple(qv.shape[-2:-1]) + (val(m.key).shape[-2],)
         rules, call.note = _flash_rules(
-            facts, [_MaskPiece(mask, role, 1.0, layout=call.mask_layout)], [],
-            tuple(qv.shape[-2:-1]) + (val(m.key).shape[-2],),
-            mv.dtype if mv.is_floating_point() else torch.float32, call.mask_layout,
-            call.q, call.v, 0.0)
+            facts, [piece], [], scores, mv.dtype if mv.is_floating_point() else torch.float32,
+            call.mask_layout, call.q, call.v, 0.0)
         if rules is not None:
             call.flash = rules
             return call
-    if mask is not None and not is_causal:
-        ps, ss = shape(mask), (tuple(qv.shape[-2:-1]) + (val(m.key).shape[-2],))
-        if ps is not None and len(ps) >= 2 and sym_eq(ps[-1], ss[-1]) and \
-                sym_eq(ps[-2], ss[-2]):
-            role = MaskRole.KEEP if val(mask).dtype == torch.bool else MaskRole.ADDITIVE
+        if _positional(piece, scores):
             imp, ex = causal_bound(facts, mask, role)
-            if imp and role is MaskRole.ADDITIVE and not _saturates(
-                    facts, _MaskPiece(mask, role, 1.0), torch.float32):
+            if imp and role is MaskRole.ADDITIVE and not _saturates(facts, piece, torch.float32):
                 imp = False  # see plan_softmax
             if imp:
                 is_causal = True
