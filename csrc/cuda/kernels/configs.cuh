@@ -63,6 +63,8 @@ struct FwdTile {
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
   // (scripts/nvrtc_gate.py).
   static constexpr int kBlockN = kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16;
+  // K/V buffers (flash_fwd.cuh): one, V loaded during S and the next K during P.V.
+  static constexpr int kKVStages = 1;
 };
 
 // The Volta atom's decode tile at head dim 256 would spill (its B fragments and transposed V
@@ -82,6 +84,10 @@ struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode> {
   static constexpr int kWarps = 2;
   static constexpr int kBlockM = kDecodeRows;
   static constexpr int kBlockN = kHeadDim <= 64 ? 64 : 4096 / kHeadDim;
+  // Two K/V buffers where copies are asynchronous: the next tile's K and V load while this one is
+  // computed, twice the bytes in flight of one buffer (decoding is bound by memory latency and
+  // bandwidth) and one block barrier per tile instead of two. Volta's loads go through registers.
+  static constexpr int kKVStages = Atom::kAsyncCopy ? 2 : 1;
 };
 
 template <class Atom, int kHeadDim_, Variant kVariant, FwdShape kShape = FwdShape::kPrefill>
@@ -101,11 +107,14 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]
   static constexpr int kLdVt = T::kBlockN + kSmemPad;   // or V^T: [head dim][keys]
   static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
+  static_assert(T::kKVStages == 1 || (T::kKVStages == 2 && Atom::kAsyncCopy && Atom::kAccumIsA),
+                "two K/V buffers need asynchronous copies (and P in registers: one barrier a tile)");
+  static constexpr int kKElems = T::kBlockN * kLdQK;
   static constexpr int kVElems = kVTransposed ? kHeadDim * kLdVt : T::kBlockN * kLdQK;
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kQOffset + T::kBlockM * kLdQK;
-  static constexpr int kVOffset = kKOffset + T::kBlockN * kLdQK;
-  static constexpr int kPOffset = kVOffset + kVElems;
+  static constexpr int kKOffset = kQOffset + T::kBlockM * kLdQK;  // K buffers, then V buffers
+  static constexpr int kVOffset = kKOffset + T::kKVStages * kKElems;
+  static constexpr int kPOffset = kVOffset + T::kKVStages * kVElems;
   static constexpr int kPElems = Atom::kAccumIsA ? 0 : T::kBlockM * kLdP;
   static constexpr int kSmemBytes = (kPOffset + kPElems) * 2;
   static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "forward tile exceeds shared memory");

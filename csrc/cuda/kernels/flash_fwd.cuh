@@ -4,7 +4,9 @@
 // layouts allow it (kAccumIsA), else through a warp-private shared tile (Volta). V is stored
 // transposed for atoms that read fragments pair by pair (Volta: pairs along keys), as is for
 // ldmatrix atoms (.trans). Loads are issued one stage ahead: V of a tile while S is computed, K of
-// the next tile while P.V runs (asynchronous with cp.async; on Volta the same order, synchronous).
+// the next tile while P.V runs (asynchronous with cp.async; on Volta the same order, synchronous);
+// tiles with two K/V buffers (configs.cuh, kKVStages) load the next tile's K and V while the
+// current one is computed.
 // The attn_mask bias is added to the scores and dropout is applied to P after the row sums (the
 // softmax normalizes undropped P). Scores stay in natural-log units until exponentiation so that
 // finfo.min biases cannot overflow. Packed (varlen) batches: the grid covers the longest sequence
@@ -33,7 +35,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   using Cfg = FwdConfig<Atom, kHeadDim, kVariant, kShape>;
   constexpr bool kGeneral = Cfg::kGeneral, kDropout = Cfg::kDropout;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
-  constexpr int kWarpRows = Cfg::kWarpRows;
+  constexpr int kWarpRows = Cfg::kWarpRows, kStages = Cfg::kKVStages;
   using SAcc = WarpAccum<Atom, kWarpRows, kBlockN>;
   using OAcc = WarpAccum<Atom, kWarpRows, kHeadDim>;
   constexpr int kFragM = SAcc::kFragM, kSlots = Atom::kRowSlots;
@@ -84,20 +86,36 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     key_begin += static_cast<int>(share.first) * kBlockN;
   }
 
-  const auto stage_k = [&](int n0) {
+  // Key tile n0 into K/V buffer `buf` (kKVStages of them).
+  const auto stage_k = [&](int n0, int buf) {
+    uint16_t* const dst = sK + buf * Cfg::kKElems;
     if constexpr (kPaged) {
-      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK,
+      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK,
                                                          paged_rows(k_head, p.k_strides, n0),
                                                          k_head, vis.len_kv - n0, d, tid);
     } else {
-      stage_tile<Atom, kBlockN, kHeadDim, kThreads>(sK, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
+      stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
                                                     p.k_strides.row, vis.len_kv - n0, d, tid);
+    }
+  };
+  const auto stage_v = [&](int n0, int buf) {
+    uint16_t* const dst = sV + buf * Cfg::kVElems;
+    constexpr int kLdV = kVTransposed ? Cfg::kLdVt : Cfg::kLdQK;
+    if constexpr (kPaged) {
+      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
+          dst, kLdV, paged_rows(v_head, p.v_strides, n0), v_head, vis.len_kv - n0, d, tid);
+    } else {
+      stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
+          dst, kLdV, v_head + n0 * p.v_strides.row, p.v_strides.row, vis.len_kv - n0, d, tid);
     }
   };
   stage_tile<Atom, kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK,
                                                 head_ptr(p.q, p.q_strides, b, h, seq.q_start + m0),
                                                 p.q_strides.row, vis.len_q - m0, d, tid);
-  stage_k(key_begin);
+  stage_k(key_begin, 0);
+  if constexpr (kStages == 2) {
+    if (key_begin < key_end) stage_v(key_begin, 0);
+  }
 
   OAcc o;
   o.zero();
@@ -114,33 +132,34 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   const int k_extent = round_up(d, Atom::kK);
   const int n_extent = round_up(d, Atom::kN);
   const KMajor q_op{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
-  const KMajor k_op{sK, Cfg::kLdQK};
   const KMajor p_op{sP + warp_row0 * Cfg::kLdP, Cfg::kLdP};
   // B operand of P.V: V(j, e) addressed as (n = e, k = j).
-  const auto v_op = [&] {
+  const auto v_op = [&](int buf) {
     if constexpr (kVTransposed) {
-      return KMajor{sV, Cfg::kLdVt};
+      return KMajor{sV + buf * Cfg::kVElems, Cfg::kLdVt};
     } else {
-      return MMajor{sV, Cfg::kLdQK};
+      return MMajor{sV + buf * Cfg::kVElems, Cfg::kLdQK};
     }
-  }();
+  };
 
-  for (int n0 = key_begin; n0 < key_end; n0 += kBlockN) {
+  // One buffer: V of a tile loads while S is computed, K of the next one during P.V (two
+  // barriers a tile). Two: the next tile's K and V load while this one is computed (one barrier).
+  for (int n0 = key_begin, buf = 0; n0 < key_end; n0 += kBlockN, buf ^= kStages - 1) {
     cp_async_wait_all();
-    __syncthreads();  // K (and Q) landed; every warp is done with the previous V
-    if constexpr (kPaged) {
-      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
-          sV, kVTransposed ? Cfg::kLdVt : Cfg::kLdQK, paged_rows(v_head, p.v_strides, n0), v_head,
-          vis.len_kv - n0, d, tid);
-    } else {
-      stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
-          sV, kVTransposed ? Cfg::kLdVt : Cfg::kLdQK, v_head + n0 * p.v_strides.row,
-          p.v_strides.row, vis.len_kv - n0, d, tid);
+    // This tile's K (and Q; two buffers: and V) landed; every warp is done with the previous
+    // tile's V (two buffers: with the other buffer).
+    __syncthreads();
+    if constexpr (kStages == 1) {
+      stage_v(n0, 0);
+    } else if (n0 + kBlockN < key_end) {
+      stage_k(n0 + kBlockN, buf ^ 1);
+      stage_v(n0 + kBlockN, buf ^ 1);
     }
 
     SAcc s;
     s.zero();
-    warp_gemm<Atom, Elem, kHeadDim, Cfg::kStraightS>(s, q_op, k_op, k_extent, kBlockN, lane);
+    warp_gemm<Atom, Elem, kHeadDim, Cfg::kStraightS>(
+        s, q_op, KMajor{sK + buf * Cfg::kKElems, Cfg::kLdQK}, k_extent, kBlockN, lane);
 
     // Scores in the units the exponent takes them: raw for the plain variant (the scale is
     // folded into one FMA with the running max), scaled, softcapped, ALiBi- and mask-biased
@@ -198,16 +217,18 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
                                              });
     }
 
-    cp_async_wait_all();
-    __syncthreads();  // V landed; every warp is done with K
-    if (n0 + kBlockN < key_end) stage_k(n0 + kBlockN);
+    if constexpr (kStages == 1) {
+      cp_async_wait_all();
+      __syncthreads();  // V landed; every warp is done with K
+      if (n0 + kBlockN < key_end) stage_k(n0 + kBlockN, 0);
+    }
     if constexpr (Atom::kAccumIsA) {
-      warp_gemm_accum_a<Atom, Elem>(o, s, v_op, n_extent, lane);
+      warp_gemm_accum_a<Atom, Elem>(o, s, v_op(buf), n_extent, lane);
     } else {
       // The warp's P rows are rewritten only after the next two block barriers.
       store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, 0, lane);
       __syncwarp();
-      warp_gemm<Atom, Elem, kBlockN>(o, p_op, v_op, kBlockN, n_extent, lane);
+      warp_gemm<Atom, Elem, kBlockN>(o, p_op, v_op(buf), kBlockN, n_extent, lane);
     }
   }
   cp_async_wait_all();  // no copy may be in flight at exit (K of tile 0 when no key is visible)
