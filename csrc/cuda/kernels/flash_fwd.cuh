@@ -90,9 +90,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   const auto stage_k = [&](int n0, int buf) {
     uint16_t* const dst = sK + buf * Cfg::kKElems;
     if constexpr (kPaged) {
-      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK,
-                                                         paged_rows(k_head, p.k_strides, n0),
-                                                         k_head, vis.len_kv - n0, d, tid);
+      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, false, true>(
+          dst, Cfg::kLdQK, paged_rows(k_head, p.k_strides, n0), k_head, vis.len_kv - n0, d, tid);
     } else {
       stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
                                                     p.k_strides.row, vis.len_kv - n0, d, tid);
@@ -102,7 +101,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     uint16_t* const dst = sV + buf * Cfg::kVElems;
     constexpr int kLdV = kVTransposed ? Cfg::kLdVt : Cfg::kLdQK;
     if constexpr (kPaged) {
-      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
+      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kVTransposed, true>(
           dst, kLdV, paged_rows(v_head, p.v_strides, n0), v_head, vis.len_kv - n0, d, tid);
     } else {
       stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(

@@ -8,18 +8,25 @@
 namespace flashv100 {
 namespace kern {
 
-// f(r, c) for each 8-element vector (row r, columns c .. c + 7) of a kRows x kCols tile that
-// thread tid of kThreads moves: consecutive threads take consecutive 16-byte chunks of a row.
+// f(it, r, c) for each 8-element vector (row r, columns c .. c + 7) of a kRows x kCols tile that
+// thread tid of kThreads moves, `it` counting the thread's vectors: consecutive threads take
+// consecutive 16-byte chunks of a row.
+template <int kRows, int kCols, int kThreads>
+constexpr int kTileVectorsPerThread = (kRows * kCols / 8 + kThreads - 1) / kThreads;
 template <int kRows, int kCols, int kThreads, class F>
-__device__ __forceinline__ void for_each_tile_vector(int tid, F&& f) {
+__device__ __forceinline__ void for_each_tile_vector_indexed(int tid, F&& f) {
   constexpr int kVecPerRow = kCols / 8;
   constexpr int kVecs = kRows * kVecPerRow;
 #pragma unroll
-  for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
+  for (int it = 0; it < kTileVectorsPerThread<kRows, kCols, kThreads>; ++it) {
     const int idx = it * kThreads + tid;
     if (kVecs % kThreads != 0 && idx >= kVecs) break;
-    f(idx / kVecPerRow, (idx % kVecPerRow) * 8);
+    f(it, idx / kVecPerRow, (idx % kVecPerRow) * 8);
   }
+}
+template <int kRows, int kCols, int kThreads, class F>
+__device__ __forceinline__ void for_each_tile_vector(int tid, F&& f) {
+  for_each_tile_vector_indexed<kRows, kCols, kThreads>(tid, [&](int, int r, int c) { f(r, c); });
 }
 
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global 16-bit matrix into a kRows x kCols
@@ -56,23 +63,36 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
 
 // load_tile_rows without the trip through registers: 16-byte cp.async copies (rows or columns past
 // the valid range are zero-filled by the copy itself, reading nothing at `fallback`), completed by
-// cp_async_wait_all(). sm_80+ only.
-template <int kRows, int kCols, int kThreads, class RowPtr>
+// cp_async_wait_all(). kGather: row_ptr reads memory (a paged cache's block table), so every row
+// address of the thread is resolved before the first copy: the reads are in flight together
+// instead of one read's latency before each copy. sm_80+ only.
+template <int kRows, int kCols, int kThreads, bool kGather = false, class RowPtr>
 __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                      const uint16_t* fallback, int rows_valid,
                                                      int cols_valid, int tid) {
-  for_each_tile_vector<kRows, kCols, kThreads>(tid, [&](int r, int c) {
-    const bool valid = r < rows_valid && c < cols_valid;
-    const uint16_t* src = valid ? row_ptr(r) + c : fallback;
+  const auto source = [&](int r, int c) -> const uint16_t* {
+    return r < rows_valid && c < cols_valid ? row_ptr(r) + c : nullptr;
+  };
+  const auto copy = [&](int r, int c, const uint16_t* src) {
 #if FLASHV100_SM80
     const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem + r * ld + c));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"(src != nullptr ? src : fallback), "r"(src != nullptr ? 16 : 0));
 #else
-    (void)src;
+    (void)r, (void)c, (void)src, (void)fallback;
     __trap();
 #endif
-  });
+  };
+  if constexpr (kGather) {
+    const uint16_t* src[kTileVectorsPerThread<kRows, kCols, kThreads>];
+    for_each_tile_vector_indexed<kRows, kCols, kThreads>(
+        tid, [&](int it, int r, int c) { src[it] = source(r, c); });
+    for_each_tile_vector_indexed<kRows, kCols, kThreads>(
+        tid, [&](int it, int r, int c) { copy(r, c, src[it]); });
+  } else {
+    for_each_tile_vector<kRows, kCols, kThreads>(tid,
+                                                 [&](int r, int c) { copy(r, c, source(r, c)); });
+  }
 #if FLASHV100_SM80
   asm volatile("cp.async.commit_group;\n" ::);
 #endif
@@ -94,13 +114,15 @@ __device__ __forceinline__ void cp_async_wait_all() {
 
 // A tile for the atom's kernels: by cp.async where the GPU has it (landing after
 // cp_async_wait_all), else by plain loads (kTranspose: stored transposed, plain loads only).
-template <class Atom, int kRows, int kCols, int kThreads, bool kTranspose = false, class RowPtr>
+// kGather: row_ptr reads memory (load_tile_async_rows).
+template <class Atom, int kRows, int kCols, int kThreads, bool kTranspose = false,
+          bool kGather = false, class RowPtr>
 __device__ __forceinline__ void stage_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                 const uint16_t* fallback, int rows_valid,
                                                 int cols_valid, int tid) {
   if constexpr (Atom::kAsyncCopy && !kTranspose) {
-    load_tile_async_rows<kRows, kCols, kThreads>(smem, ld, row_ptr, fallback, rows_valid,
-                                                 cols_valid, tid);
+    load_tile_async_rows<kRows, kCols, kThreads, kGather>(smem, ld, row_ptr, fallback,
+                                                          rows_valid, cols_valid, tid);
   } else {
     load_tile_rows<kRows, kCols, kThreads, kTranspose>(smem, ld, row_ptr, rows_valid, cols_valid,
                                                        tid);
