@@ -17,6 +17,26 @@ __device__ __forceinline__ uint16_t* head_ptr(void* base, const TensorStrides& s
   return static_cast<uint16_t*>(base) + b * st.batch + h * st.head + row * st.row;
 }
 
+// n / d and n % d for 0 <= n, d < 2^31 by a multiply-high and a shift (Granlund and Montgomery's
+// round-up method, as CUTLASS's FastDivmod): the divisor is set once per block, the quotients are
+// taken per tile row, where an integer division would cost ~30 instructions each.
+struct FastDivmod {
+  int divisor = 1;
+  uint32_t multiplier = 0, shift = 0;
+
+  FastDivmod() = default;
+  __device__ __forceinline__ explicit FastDivmod(int d) : divisor(d) {
+    if (d > 1) {
+      const int ceil_log2 = 32 - __clz(d - 1);
+      multiplier = static_cast<uint32_t>(((1ull << (31 + ceil_log2)) + d - 1) / d);
+      shift = ceil_log2 - 1;
+    }
+  }
+  __device__ __forceinline__ int quotient(int n) const {
+    return divisor == 1 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
+  }
+};
+
 // The rows of one key/value head of a sequence in a paged KV cache (KVCacheParams), for a tile
 // whose row 0 is the sequence's cache row `first`: row r is row (first + r) % page_size of page
 // table[(first + r) / page_size].
@@ -24,12 +44,14 @@ struct PagedRows {
   const uint16_t* head;  // this head in page 0
   const int32_t* table;  // the sequence's block_table row
   int64_t page_stride, row_stride;
-  int page_size, first;
+  FastDivmod page_size;
+  int first;
 
   __device__ __forceinline__ const uint16_t* operator()(int r) const {
     const int row = first + r;
-    return head + static_cast<int64_t>(__ldg(table + row / page_size)) * page_stride +
-           static_cast<int64_t>(row % page_size) * row_stride;
+    const int page = page_size.quotient(row);
+    return head + static_cast<int64_t>(__ldg(table + page)) * page_stride +
+           static_cast<int64_t>(row - page * page_size.divisor) * row_stride;
   }
 };
 

@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   const int32_t* const page_table =
       kPaged ? cache.block_table + b * cache.block_table_stride : nullptr;
   const int first_row = static_cast<int>(seq.k_start);
-  const int page_size = static_cast<int>(cache.page_size);
+  const FastDivmod page_size =
+      kPaged ? FastDivmod(static_cast<int>(cache.page_size)) : FastDivmod();
   const auto paged_rows = [=](const uint16_t* head, const TensorStrides& st, int n0) {
     return PagedRows{head, page_table, st.batch, st.row, page_size, first_row + n0};
   };
