@@ -17,9 +17,9 @@ __device__ __forceinline__ uint16_t* head_ptr(void* base, const TensorStrides& s
   return static_cast<uint16_t*>(base) + b * st.batch + h * st.head + row * st.row;
 }
 
-// n / d and n % d for 0 <= n, d < 2^31 by a multiply-high and a shift (Granlund and Montgomery's
-// round-up method, as CUTLASS's FastDivmod): the divisor is set once per block, the quotients are
-// taken per tile row, where an integer division would cost ~30 instructions each.
+// n / d for 0 <= n, d < 2^31 by a multiply-high and a shift (Granlund and Montgomery's round-up
+// method, as CUTLASS's FastDivmod): the divisor is set once per block, the quotients are taken per
+// tile row, where an integer division would cost ~30 instructions each.
 struct FastDivmod {
   int divisor = 1;
   uint32_t multiplier = 0, shift = 0;
@@ -33,7 +33,9 @@ struct FastDivmod {
     }
   }
   __device__ __forceinline__ int quotient(int n) const {
-    return divisor == 1 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
+    return divisor == 1
+               ? n
+               : static_cast<int>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
   }
 };
 
