@@ -20,32 +20,36 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <kern::Variant V>
 using VariantTag = std::integral_constant<kern::Variant, V>;
 
-// Calls f(Atom{}, Elem{}, std::integral_constant<int, bucket>{}, VariantTag<variant>{}) for the
-// compiled kernel of this problem.
+// Calls f(std::integral_constant<int, bucket>{}) for the head-dim bucket of head_dim.
 template <class F>
-void dispatch(MmaAtom atom, at::ScalarType dtype, int64_t head_dim, kern::Variant variant, F&& f) {
-  auto by_head_dim = [&](auto atom_tag, auto elem_tag, auto variant_tag) {
-    switch (kern::head_dim_bucket(static_cast<int>(head_dim))) {
+void with_head_dim_bucket(int64_t head_dim, F&& f) {
+  switch (kern::head_dim_bucket(static_cast<int>(head_dim))) {
 #define FLASHV100_CASE(D) \
-  case D: f(atom_tag, elem_tag, std::integral_constant<int, D>{}, variant_tag); break;
-      FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_CASE)
+  case D: f(std::integral_constant<int, D>{}); break;
+    FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_CASE)
 #undef FLASHV100_CASE
-      default: TORCH_CHECK(false, "flashv100: no kernel for head dim ", head_dim);
-    }
-  };
+    default: TORCH_CHECK(false, "flashv100: no kernel for head dim ", head_dim);
+  }
+}
+
+// Calls f(Atom{}, Elem{}, std::integral_constant<int, D>{}, VariantTag<variant>{}) for the
+// compiled kernel of this problem in head-dim bucket D (launch units of one bucket).
+template <int D, class F>
+void dispatch_head_dim(MmaAtom atom, at::ScalarType dtype, kern::Variant variant, F&& f) {
   auto by_variant = [&](auto atom_tag, auto elem_tag) {
+    const std::integral_constant<int, D> dim{};
     switch (variant) {
       case kern::Variant::kPlain:
-        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kPlain>{});
+        f(atom_tag, elem_tag, dim, VariantTag<kern::Variant::kPlain>{});
         break;
       case kern::Variant::kMasked:
-        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kMasked>{});
+        f(atom_tag, elem_tag, dim, VariantTag<kern::Variant::kMasked>{});
         break;
       case kern::Variant::kDropout:
-        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kDropout>{});
+        f(atom_tag, elem_tag, dim, VariantTag<kern::Variant::kDropout>{});
         break;
       case kern::Variant::kMaskedDropout:
-        by_head_dim(atom_tag, elem_tag, VariantTag<kern::Variant::kMaskedDropout>{});
+        f(atom_tag, elem_tag, dim, VariantTag<kern::Variant::kMaskedDropout>{});
         break;
     }
   };

@@ -1,6 +1,7 @@
-// The forward kernel of a problem in one tile shape (kernels/configs.cuh): dispatch over atom,
-// dtype, head dim and variant, and the contiguous or paged kernel. Included by the launch units of
-// each shape (launch_forward.cu: prefill; launch_forward_decode.cu: decode), which compile apart.
+// The forward kernel of a problem in one tile shape (kernels/configs.cuh) and head-dim bucket:
+// dispatch over atom, dtype and variant, and the contiguous or paged kernel. Included by the
+// launch units that CMakeLists.txt generates, one per tile shape and bucket, which compile apart
+// (FLASHV100_INSTANTIATE_FORWARD below); launch_forward.cu picks the unit.
 #pragma once
 
 #include <c10/cuda/CUDAFunctions.h>
@@ -20,12 +21,12 @@ namespace cuda {
 // Calls f(kernel, Cfg{}, name) with the kernel of shape S that runs p and its configuration.
 // Paged KV caches run the kPaged kernels, compiled for the variants a KV cache takes (no mask, no
 // dropout); the decode tile takes no dropout and exists where has_decode_tile (uses_decode_tile).
-template <kern::FwdShape S, class F>
+template <kern::FwdShape S, int kBucket, class F>
 void with_forward_kernel(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p, F&& f) {
   constexpr bool kDecode = S == kern::FwdShape::kDecode;
   const bool paged = p.kvcache.block_table != nullptr;
-  dispatch(atom, dtype, p.shape.head_dim, variant_of(p),
-           [&](auto atom_tag, auto elem_tag, auto dim, auto variant) {
+  dispatch_head_dim<kBucket>(atom, dtype, variant_of(p),
+                             [&](auto atom_tag, auto elem_tag, auto dim, auto variant) {
     using A = decltype(atom_tag);
     using E = decltype(elem_tag);
     constexpr int D = decltype(dim)::value;
@@ -49,12 +50,13 @@ void with_forward_kernel(MmaAtom atom, at::ScalarType dtype, const ForwardParams
   });
 }
 
-// Launches p with shape S on the current stream: one block per (query tile, batch * query head,
+// Launches p in the decode (kDecodeTile) or prefill tile on the current stream: one block per (query tile, batch * query head,
 // split).
-template <kern::FwdShape S>
-void launch_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+template <bool kDecodeTile, int kBucket>
+void launch_forward_head_dim(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+  constexpr kern::FwdShape S = kDecodeTile ? kern::FwdShape::kDecode : kern::FwdShape::kPrefill;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  with_forward_kernel<S>(atom, dtype, p, [&](auto kernel, auto cfg, const char* name) {
+  with_forward_kernel<S, kBucket>(atom, dtype, p, [&](auto kernel, auto cfg, const char* name) {
     using Cfg = decltype(cfg);
     set_smem(kernel, Cfg::kSmemBytes);
     debug_kernel(name, Cfg::kHeadDim, kern::variant_name(variant_of(p)), Cfg::kBlockM,
@@ -66,12 +68,13 @@ void launch_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) 
   });
 }
 
-// The tiling of p's kernel of shape S, with its resident blocks per SM on the current device
+// The tiling of p's kernel in that tile, with its resident blocks per SM on the current device
 // (asked of the runtime once per kernel and device: decode steps call this every token).
-template <kern::FwdShape S>
-ForwardTiling forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+template <bool kDecodeTile, int kBucket>
+ForwardTiling forward_tiling_head_dim(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
+  constexpr kern::FwdShape S = kDecodeTile ? kern::FwdShape::kDecode : kern::FwdShape::kPrefill;
   ForwardTiling t{};
-  with_forward_kernel<S>(atom, dtype, p, [&](auto kernel, auto cfg, const char*) {
+  with_forward_kernel<S, kBucket>(atom, dtype, p, [&](auto kernel, auto cfg, const char*) {
     using Cfg = decltype(cfg);
     static std::array<std::atomic<int>, 64> blocks_on_device{};  // 0: not asked yet
     const int device = c10::cuda::current_device();
@@ -89,6 +92,13 @@ ForwardTiling forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardPa
   });
   return t;
 }
+
+// The body of a generated forward launch unit: tile shape (true: decode) and bucket.
+#define FLASHV100_INSTANTIATE_FORWARD(kDecodeTile, kBucket)                                     \
+  template void launch_forward_head_dim<kDecodeTile, kBucket>(MmaAtom, at::ScalarType,         \
+                                                              const ForwardParams&);           \
+  template ForwardTiling forward_tiling_head_dim<kDecodeTile, kBucket>(MmaAtom, at::ScalarType, \
+                                                                       const ForwardParams&);
 
 }  // namespace cuda
 }  // namespace flashv100

@@ -35,11 +35,22 @@ struct ForwardTiling {
 };
 ForwardTiling fused_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
 // Whether p runs in the decode tile (few query rows, no dropout, an atom and head dim that have
-// one; kernels/configs.cuh), and that tile's launch and tiling (launch_forward_decode.cu).
+// one; kernels/configs.cuh).
 bool uses_decode_tile(MmaAtom atom, const ForwardParams& p);
-void run_decode_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
-ForwardTiling decode_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
 void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p);
+
+// The launch units that CMakeLists.txt generates, one per head-dim bucket (and forward tile), so
+// that the kernels compile in parallel: the forward's launch and tiling in the decode
+// (kDecodeTile) or prefill tile (forward_launch.cuh), and run_fused_backward's kernels after its
+// per-row vectors (dsum: D, then the general variant's row_base and row_log2_norm as p points at
+// them; backward_launch.cuh).
+template <bool kDecodeTile, int kBucket>
+void launch_forward_head_dim(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
+template <bool kDecodeTile, int kBucket>
+ForwardTiling forward_tiling_head_dim(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p);
+template <int kBucket>
+void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p,
+                              float* dsum);
 
 // flash_attn_with_kvcache: the rotary/append step (KVAppendParams), then the forward over the
 // updated cache with num_splits split-KV shares (0: FlashAttention-2's heuristic from the SM

@@ -1,17 +1,16 @@
 // Backward launches: D = rowsum(dO * O) (and, for the general variant, P's base and log2
 // normalizer per row), then dK/dV (+ dQ by atomics, converted afterwards), or
-// dK/dV and a separate deterministic dQ kernel; all on the current stream.
-#include <c10/cuda/CUDAStream.h>
+// dK/dV and a separate deterministic dQ kernel; all on the current stream. The launches of each
+// head-dim bucket compile in their own unit (backward_launch.cuh, launch_backward_hdim<D>.cu).
+#include <c10/cuda/CUDAFunctions.h>
 
 #include "cuda/api/dispatch.cuh"
 #include "cuda/api/launch.h"
-#include "cuda/kernels/flash_bwd.cuh"
 
 namespace flashv100 {
 namespace cuda {
 
 void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor key_range = attach_mask_key_ranges(p.fwd);
   const AttentionShape& s = p.fwd.shape;
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
@@ -26,42 +25,8 @@ void run_fused_backward(MmaAtom atom, at::ScalarType dtype, BackwardParams p) {
     p.row_base = dsum + rows;
     p.row_log2_norm = dsum + 2 * rows;
   }
-  dispatch(atom, dtype, s.head_dim, variant,
-           [&](auto atom_tag, auto elem_tag, auto dim, auto variant_tag) {
-    using Atom = decltype(atom_tag);
-    using Elem = decltype(elem_tag);
-    constexpr int D = decltype(dim)::value;
-    constexpr kern::Variant V = decltype(variant_tag)::value;
-    constexpr bool G = kern::is_general(V);
-    using Cfg = kern::BwdConfig<Atom, D, V>;
-    using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
-    at::Tensor dq_accum;
-    if (!p.deterministic) {
-      dq_accum = at::zeros({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
-    }
-    kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(rows, 4), 128, 0, stream>>>(p, dsum);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-    const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V>;
-    set_smem(dkdv, Cfg::kSmemBytes);
-    debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
-                 Cfg::kThreads, Cfg::kSmemBytes);
-    const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
-    dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-    if (p.deterministic) {
-      const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, V>;
-      set_smem(dq, Cfg::kSmemBytes);
-      const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
-      dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum);
-    } else {
-      const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
-      kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V>
-          <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_accum.data_ptr<float>());
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  with_head_dim_bucket(s.head_dim, [&](auto dim) {
+    launch_backward_head_dim<decltype(dim)::value>(atom, dtype, p, dsum);
   });
 }
 

@@ -1,8 +1,7 @@
-// Forward launch: the decode tile for problems of few query rows (launch_forward_decode.cu),
-// else the prefill tile.
-#include <c10/cuda/CUDAStream.h>
-
-#include "cuda/api/forward_launch.cuh"
+// Forward launch: the decode tile for problems of few query rows, else the prefill tile; each tile
+// shape and head-dim bucket compiles in a launch unit of its own (forward_launch.cuh).
+#include "cuda/api/dispatch.cuh"
+#include "cuda/api/launch.h"
 
 namespace flashv100 {
 namespace cuda {
@@ -16,16 +15,23 @@ bool uses_decode_tile(MmaAtom atom, const ForwardParams& p) {
 
 void run_fused_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p) {
   const at::Tensor key_range = attach_mask_key_ranges(p);
-  if (uses_decode_tile(atom, p)) {
-    run_decode_forward(atom, dtype, p);
-  } else {
-    launch_forward<kern::FwdShape::kPrefill>(atom, dtype, p);
-  }
+  const bool decode = uses_decode_tile(atom, p);
+  with_head_dim_bucket(p.shape.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    decode ? launch_forward_head_dim<true, D>(atom, dtype, p)
+           : launch_forward_head_dim<false, D>(atom, dtype, p);
+  });
 }
 
 ForwardTiling fused_forward_tiling(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
-  return uses_decode_tile(atom, p) ? decode_forward_tiling(atom, dtype, p)
-                                   : forward_tiling<kern::FwdShape::kPrefill>(atom, dtype, p);
+  const bool decode = uses_decode_tile(atom, p);
+  ForwardTiling t{};
+  with_head_dim_bucket(p.shape.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    t = decode ? forward_tiling_head_dim<true, D>(atom, dtype, p)
+               : forward_tiling_head_dim<false, D>(atom, dtype, p);
+  });
+  return t;
 }
 
 }  // namespace cuda

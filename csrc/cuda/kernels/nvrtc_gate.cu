@@ -22,13 +22,13 @@ namespace kern {
                                                                  const float*);              \
   template __global__ void flash_bwd_dq_convert_kernel<Atom, Elem, D, G>(const BackwardParams, \
                                                                          const float*);
-// Paged KV caches: the variants without mask and dropout (launch_forward.cu).
+// Paged KV caches: the variants without mask and dropout (forward_launch.cuh).
 #define FLASHV100_INSTANTIATE_PAGED(Atom, Elem, D)                                              \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, Variant::kPlain, true>(             \
       const ForwardParams);                                                                    \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, Variant::kMasked, true>(            \
       const ForwardParams);
-// The decode tile: the variants without dropout, contiguous and paged (launch_forward_decode.cu).
+// The decode tile: the variants without dropout, contiguous and paged (forward_launch.cuh).
 #define FLASHV100_INSTANTIATE_DECODE_VARIANT(Atom, Elem, D, G)                                  \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, G, false, FwdShape::kDecode>(       \
       const ForwardParams);                                                                    \

@@ -1,0 +1,70 @@
+// The backward launches of one head-dim bucket (run_fused_backward's second half): dK/dV (+ dQ by
+// atomics into a workspace, converted afterwards) or dK/dV and the deterministic dQ kernel, after
+// the D pre-pass. Included by the launch units that CMakeLists.txt generates, one per bucket
+// (FLASHV100_INSTANTIATE_BACKWARD below), so that the backward kernels compile in parallel.
+#pragma once
+
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/api/dispatch.cuh"
+#include "cuda/api/launch.h"
+#include "cuda/kernels/flash_bwd.cuh"
+
+namespace flashv100 {
+namespace cuda {
+
+template <int kBucket>
+void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p,
+                              float* dsum) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const AttentionShape& s = p.fwd.shape;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
+                                                                 c10::cuda::current_device());
+  const int64_t rows = s.batch * s.heads_q * s.len_q;
+  dispatch_head_dim<kBucket>(atom, dtype, variant_of(p.fwd),
+                            [&](auto atom_tag, auto elem_tag, auto dim, auto variant_tag) {
+    using Atom = decltype(atom_tag);
+    using Elem = decltype(elem_tag);
+    constexpr int D = decltype(dim)::value;
+    constexpr kern::Variant V = decltype(variant_tag)::value;
+    constexpr bool G = kern::is_general(V);
+    using Cfg = kern::BwdConfig<Atom, D, V>;
+    using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
+    at::Tensor dq_accum;
+    if (!p.deterministic) {
+      dq_accum = at::zeros({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
+    }
+    kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(rows, 4), 128, 0, stream>>>(p, dsum);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V>;
+    set_smem(dkdv, Cfg::kSmemBytes);
+    debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
+                 Cfg::kThreads, Cfg::kSmemBytes);
+    const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
+    dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    if (p.deterministic) {
+      const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, V>;
+      set_smem(dq, Cfg::kSmemBytes);
+      const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
+      dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum);
+    } else {
+      const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
+      kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V>
+          <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_accum.data_ptr<float>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// The body of a generated backward launch unit.
+#define FLASHV100_INSTANTIATE_BACKWARD(kBucket)                                                \
+  template void launch_backward_head_dim<kBucket>(MmaAtom, at::ScalarType, const BackwardParams&, \
+                                                  float*);
+
+}  // namespace cuda
+}  // namespace flashv100
