@@ -50,13 +50,19 @@ void with_forward_kernel(MmaAtom atom, at::ScalarType dtype, const ForwardParams
   });
 }
 
-// Launches p in the decode (kDecodeTile) or prefill tile on the current stream: one block per (query tile, batch * query head,
-// split).
+// The tile shape of the launch units' kDecodeTile (launch.h takes no device header).
+template <bool kDecodeTile>
+constexpr kern::FwdShape kTileShape = kDecodeTile ? kern::FwdShape::kDecode
+                                                  : kern::FwdShape::kPrefill;
+
+// Launches p in the decode (kDecodeTile) or prefill tile on the current stream: one block per
+// (query tile, batch * query head, split).
 template <bool kDecodeTile, int kBucket>
 void launch_forward_head_dim(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
-  constexpr kern::FwdShape S = kDecodeTile ? kern::FwdShape::kDecode : kern::FwdShape::kPrefill;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  with_forward_kernel<S, kBucket>(atom, dtype, p, [&](auto kernel, auto cfg, const char* name) {
+  constexpr kern::FwdShape kShape = kTileShape<kDecodeTile>;
+  with_forward_kernel<kShape, kBucket>(atom, dtype, p, [&](auto kernel, auto cfg,
+                                                          const char* name) {
     using Cfg = decltype(cfg);
     set_smem(kernel, Cfg::kSmemBytes);
     debug_kernel(name, Cfg::kHeadDim, kern::variant_name(variant_of(p)), Cfg::kBlockM,
@@ -72,9 +78,9 @@ void launch_forward_head_dim(MmaAtom atom, at::ScalarType dtype, const ForwardPa
 // (asked of the runtime once per kernel and device: decode steps call this every token).
 template <bool kDecodeTile, int kBucket>
 ForwardTiling forward_tiling_head_dim(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p) {
-  constexpr kern::FwdShape S = kDecodeTile ? kern::FwdShape::kDecode : kern::FwdShape::kPrefill;
   ForwardTiling t{};
-  with_forward_kernel<S, kBucket>(atom, dtype, p, [&](auto kernel, auto cfg, const char*) {
+  constexpr kern::FwdShape kShape = kTileShape<kDecodeTile>;
+  with_forward_kernel<kShape, kBucket>(atom, dtype, p, [&](auto kernel, auto cfg, const char*) {
     using Cfg = decltype(cfg);
     static std::array<std::atomic<int>, 64> blocks_on_device{};  // 0: not asked yet
     const int device = c10::cuda::current_device();

@@ -108,7 +108,7 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr int kLdVt = T::kBlockN + kSmemPad;   // or V^T: [head dim][keys]
   static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
   static_assert(T::kKVStages == 1 || (T::kKVStages == 2 && Atom::kAsyncCopy && Atom::kAccumIsA),
-                "two K/V buffers need asynchronous copies (and P in registers: one barrier a tile)");
+                "two K/V buffers need cp.async (and P in registers: one barrier a tile)");
   static constexpr int kKElems = T::kBlockN * kLdQK;
   static constexpr int kVElems = kVTransposed ? kHeadDim * kLdVt : T::kBlockN * kLdQK;
   static constexpr int kQOffset = 0;
