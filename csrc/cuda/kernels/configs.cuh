@@ -42,9 +42,10 @@ constexpr __host__ __device__ const char* variant_name(Variant v) {
 
 // Forward tile shapes. Prefill: query tiles over four warps. Decode, for problems of at most
 // kDecodeRows query rows per (batch, head) (decoding; GQA packs a KV group's query heads into the
-// rows): two warps of 16 rows and key tiles of at most 4096 elements, a small block of which many
-// fit per SM, so that enough K/V loads are in flight to stream the cache at memory bandwidth (a
-// prefill tile there leaves most rows empty: its MMAs on them alone would bound the speed).
+// rows): one row tile of 16 with each key tile split across four warps, a small block of which
+// several fit per SM, so that enough K/V loads are in flight to stream the cache at memory
+// bandwidth and no warp multiplies only empty rows (a prefill tile there leaves most rows empty:
+// its MMAs on them alone would bound the speed).
 enum class FwdShape { kPrefill, kDecode };
 constexpr int kDecodeRows = 32;
 
@@ -59,6 +60,7 @@ struct FwdTile {
   static constexpr bool kWide =
       Atom::kAccumIsA && (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
   static constexpr int kWarps = 4;
+  static constexpr int kKeyWarps = 1;  // warps that split a key tile (each its own rows here)
   static constexpr int kBlockM = kWide ? 128 : 64;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
   // (scripts/nvrtc_gate.py).
@@ -74,19 +76,25 @@ constexpr __host__ __device__ bool has_decode_tile(int head_dim_bucket) {
   return !(Atom::kNativeArch < 800 && head_dim_bucket == 256);
 }
 
-// Decode: 16 rows per warp; 64 keys per tile up to head dim 64, else 4096 elements, whose
-// staging by two warps fits their registers (scripts/nvrtc_gate.py).
+// Decode up to head dim 128: the 16 rows of a tile are every warp's; warp w takes keys
+// [w * kWarpKeys, ...) of each key tile with a running max, sum and O of its own, merged through
+// shared memory at the end (flash_fwd.cuh). Decoding has 1-16 rows per tile: split by rows, warps past the
+// first multiply empty rows only. 32 keys per warp up to head dim 64, else 16 (the atom's K step of
+// P.V). Two K/V buffers where copies are asynchronous: the next tile's K and V load while this one
+// is computed, twice the bytes in flight of one buffer (decoding is bound by memory latency and
+// bandwidth) and one block barrier per tile instead of two; Volta's loads go through registers.
+// Head dim 256 keeps two warps of 16 rows each over 16-key tiles: split by keys, its tile (two
+// buffers of 64 keys) exceeds shared memory on four warps, and spills on two (the masked paged
+// variant; scripts/nvrtc_gate.py).
 template <class Atom, int kHeadDim, Variant kVariant>
 struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode> {
   static_assert(!has_dropout(kVariant), "the decode tile takes no dropout");
   static_assert(has_decode_tile<Atom>(kHeadDim), "no decode tile for this atom and head dim");
   static constexpr bool kWide = false;
-  static constexpr int kWarps = 2;
-  static constexpr int kBlockM = kDecodeRows;
-  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : 4096 / kHeadDim;
-  // Two K/V buffers where copies are asynchronous: the next tile's K and V load while this one is
-  // computed, twice the bytes in flight of one buffer (decoding is bound by memory latency and
-  // bandwidth) and one block barrier per tile instead of two. Volta's loads go through registers.
+  static constexpr int kWarps = kHeadDim == 256 ? 2 : 4;
+  static constexpr int kKeyWarps = kHeadDim == 256 ? 1 : kWarps;
+  static constexpr int kBlockM = 16 * (kWarps / kKeyWarps);
+  static constexpr int kBlockN = kKeyWarps * (kHeadDim <= 64 ? 32 : 16);
   static constexpr int kKVStages = Atom::kAsyncCopy ? 2 : 1;
 };
 
@@ -97,7 +105,10 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr bool kGeneral = is_general(kVariant);
   static constexpr bool kDropout = has_dropout(kVariant);
   static constexpr int kThreads = T::kWarps * 32;
-  static constexpr int kWarpRows = T::kBlockM / T::kWarps;
+  static constexpr int kWarpRows = T::kBlockM / (T::kWarps / T::kKeyWarps);
+  static constexpr int kWarpKeys = T::kBlockN / T::kKeyWarps;
+  static_assert(T::kKeyWarps == 1 || T::kKeyWarps == T::kWarps,
+                "a key-split tile has one row tile (its merge, flash_fwd.cuh)");
   // The S product as one straight block (warp_gemm's kStraightFullExtent): all variants but
   // plain, whose head-dim-64 tile spills 8 bytes with it on sm_80 since the causal/window band
   // (its dropout twin spills 4 bytes without it; scripts/nvrtc_gate.py).
@@ -116,7 +127,13 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr int kVOffset = kKOffset + T::kKVStages * kKElems;
   static constexpr int kPOffset = kVOffset + T::kKVStages * kVElems;
   static constexpr int kPElems = Atom::kAccumIsA ? 0 : T::kBlockM * kLdP;
-  static constexpr int kSmemBytes = (kPOffset + kPElems) * 2;
+  // Key-split tiles: after the loop each warp but the first leaves its O, row max and row sum
+  // there (fp32, lane-major: every warp's accumulator has the same lane map) over Q/K/V.
+  static constexpr int kMergeFloatsPerLane =
+      kWarpRows * kHeadDim / 32 + 2 * (kWarpRows / Atom::kM) * Atom::kRowSlots;
+  static constexpr int kMergeBytes = (T::kKeyWarps - 1) * 32 * kMergeFloatsPerLane * 4;
+  static constexpr int kSmemBytes =
+      (kPOffset + kPElems) * 2 > kMergeBytes ? (kPOffset + kPElems) * 2 : kMergeBytes;
   static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "forward tile exceeds shared memory");
   // Resident blocks per SM asked of ptxas (0: its choice). The Volta atom on sm_80+ (its
   // correctness path there) asks for 1: else ptxas spills its general variant to fit a third block.

@@ -6,7 +6,9 @@
 // ldmatrix atoms (.trans). Loads are issued one stage ahead: V of a tile while S is computed, K of
 // the next tile while P.V runs (asynchronous with cp.async; on Volta the same order, synchronous);
 // tiles with two K/V buffers (configs.cuh, kKVStages) load the next tile's K and V while the
-// current one is computed.
+// current one is computed. Key-split tiles (the decode tile, kKeyWarps): each warp takes a slice of
+// every key tile for the same rows, and the warps' partial rows are merged at the end as split-KV
+// partials are (max, rescaled sums), through shared memory.
 // The attn_mask bias is added to the scores and dropout is applied to P after the row sums (the
 // softmax normalizes undropped P). Scores stay in natural-log units until exponentiation so that
 // finfo.min biases cannot overflow. Packed (varlen) batches: the grid covers the longest sequence
@@ -35,8 +37,9 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   using Cfg = FwdConfig<Atom, kHeadDim, kVariant, kShape>;
   constexpr bool kGeneral = Cfg::kGeneral, kDropout = Cfg::kDropout;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
-  constexpr int kWarpRows = Cfg::kWarpRows, kStages = Cfg::kKVStages;
-  using SAcc = WarpAccum<Atom, kWarpRows, kBlockN>;
+  constexpr int kWarpRows = Cfg::kWarpRows, kWarpKeys = Cfg::kWarpKeys;
+  constexpr int kKeyWarps = Cfg::kKeyWarps, kStages = Cfg::kKVStages;
+  using SAcc = WarpAccum<Atom, kWarpRows, kWarpKeys>;
   using OAcc = WarpAccum<Atom, kWarpRows, kHeadDim>;
   constexpr int kFragM = SAcc::kFragM, kSlots = Atom::kRowSlots;
 
@@ -52,7 +55,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   const AttentionShape& shape = p.shape;
   const int d = static_cast<int>(shape.head_dim);
   const int m0 = blockIdx.x * kBlockM;
-  const int warp_row0 = warp * kWarpRows;
+  const int warp_row0 = warp / kKeyWarps * kWarpRows;
+  const int key_warp = warp % kKeyWarps, warp_key0 = key_warp * kWarpKeys;  // in each key tile
   const int64_t b = blockIdx.y / shape.heads_q, h = blockIdx.y % shape.heads_q;
   const SequenceSpan seq = sequence_span(p, b);
   if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
@@ -132,13 +136,13 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   const int k_extent = round_up(d, Atom::kK);
   const int n_extent = round_up(d, Atom::kN);
   const KMajor q_op{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
-  const KMajor p_op{sP + warp_row0 * Cfg::kLdP, Cfg::kLdP};
-  // B operand of P.V: V(j, e) addressed as (n = e, k = j).
+  const KMajor p_op{sP + warp_row0 * Cfg::kLdP + warp_key0, Cfg::kLdP};
+  // B operand of P.V over the warp's keys: V(j, e) addressed as (n = e, k = j).
   const auto v_op = [&](int buf) {
     if constexpr (kVTransposed) {
-      return KMajor{sV + buf * Cfg::kVElems, Cfg::kLdVt};
+      return KMajor{sV + buf * Cfg::kVElems + warp_key0, Cfg::kLdVt};
     } else {
-      return MMajor{sV + buf * Cfg::kVElems, Cfg::kLdQK};
+      return MMajor{sV + buf * Cfg::kVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK};
     }
   };
 
@@ -158,24 +162,26 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
 
     SAcc s;
     s.zero();
+    const int nw0 = n0 + warp_key0;  // the warp's first key
     warp_gemm<Atom, Elem, kHeadDim, Cfg::kStraightS>(
-        s, q_op, KMajor{sK + buf * Cfg::kKElems, Cfg::kLdQK}, k_extent, kBlockN, lane);
+        s, q_op, KMajor{sK + buf * Cfg::kKElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK}, k_extent,
+        kWarpKeys, lane);
 
     // Scores in the units the exponent takes them: raw for the plain variant (the scale is
     // folded into one FMA with the running max), scaled, softcapped, ALiBi- and mask-biased
     // (natural-log units, so that finfo.min biases cannot overflow) for the general one.
     // Invisible keys: -inf.
-    const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, kWarpRows, n0, kBlockN);
+    const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, kWarpRows, nw0, kWarpKeys);
     s.for_each(lane, [&](int, int, int r, int c, float& x) {
-      if (needs_mask && !vis.visible(m0 + warp_row0 + r, n0 + c)) {
+      if (needs_mask && !vis.visible(m0 + warp_row0 + r, nw0 + c)) {
         x = neg_inf();
       } else if constexpr (kGeneral) {
         x *= scale;
       }
     });
     if constexpr (kGeneral) {
-      mods.apply(s, lane, m0 + warp_row0, n0);
-      mask.add_bias(s, lane, m0 + warp_row0, n0, vis.len_q);
+      mods.apply(s, lane, m0 + warp_row0, nw0);
+      mask.add_bias(s, lane, m0 + warp_row0, nw0, vis.len_q);
     }
 
     // Online softmax: new running max per row, rescale what was accumulated so far.
@@ -210,7 +216,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     });
     o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
     if constexpr (kDropout) {  // the sum above is of all of P; 1 / (1 - p): epilogue
-      dropout.for_each_keep_pair<Atom, SAcc>(lane, blockIdx.y, m0 + warp_row0, n0,
+      dropout.for_each_keep_pair<Atom, SAcc>(lane, blockIdx.y, m0 + warp_row0, nw0,
                                              [&](int fm, int fn, int i, bool keep0, bool keep1) {
                                                if (!keep0) s.c[fm][fn][i] = 0.0f;
                                                if (!keep1) s.c[fm][fn][i + 1] = 0.0f;
@@ -226,12 +232,56 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
       warp_gemm_accum_a<Atom, Elem>(o, s, v_op(buf), n_extent, lane);
     } else {
       // The warp's P rows are rewritten only after the next two block barriers.
-      store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, 0, lane);
+      store_accum_smem<Elem>(s, sP, Cfg::kLdP, warp_row0, warp_key0, lane);
       __syncwarp();
-      warp_gemm<Atom, Elem, kBlockN>(o, p_op, v_op(buf), kBlockN, n_extent, lane);
+      warp_gemm<Atom, Elem, kWarpKeys>(o, p_op, v_op(buf), kWarpKeys, n_extent, lane);
     }
   }
   cp_async_wait_all();  // no copy may be in flight at exit (K of tile 0 when no key is visible)
+
+  if constexpr (kKeyWarps > 1) {
+    // The key warps' partial rows merged into the first warp's: rescaled to their common max.
+    float* const merge = reinterpret_cast<float*>(smem_raw) + lane;
+    constexpr int kLaneFloats = Cfg::kMergeFloatsPerLane;
+    constexpr int kStatsAt = kLaneFloats - 2 * kFragM * kSlots;  // max and sum after O
+    __syncthreads();  // every warp is done with Q, K and V (the merge area)
+    if (key_warp > 0) {
+      float* const dst = merge + (key_warp - 1) * kLaneFloats * 32;
+      int i = 0;
+      o.for_each(lane, [&](int, int, int, int, float& x) { dst[32 * i++] = x; });
+#pragma unroll
+      for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+        for (int sl = 0; sl < kSlots; ++sl) {
+          dst[32 * (kStatsAt + 2 * (fm * kSlots + sl))] = row_max[fm][sl];
+          dst[32 * (kStatsAt + 2 * (fm * kSlots + sl) + 1)] = row_sum[fm][sl];
+        }
+    }
+    __syncthreads();
+    if (key_warp > 0) return;
+#pragma unroll
+    for (int w = 1; w < kKeyWarps; ++w) {
+      const float* const src = merge + (w - 1) * kLaneFloats * 32;
+      float alpha_own[kFragM][kSlots], alpha_w[kFragM][kSlots];
+#pragma unroll
+      for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+        for (int sl = 0; sl < kSlots; ++sl) {
+          const float max_w = src[32 * (kStatsAt + 2 * (fm * kSlots + sl))];
+          const float sum_w = src[32 * (kStatsAt + 2 * (fm * kSlots + sl) + 1)];
+          const float m_new = fmaxf(row_max[fm][sl], max_w);
+          const float base = m_new == neg_inf() ? 0.0f : m_new;  // rows without a visible key
+          alpha_own[fm][sl] = fast_exp2((row_max[fm][sl] - base) * log2_unit);
+          alpha_w[fm][sl] = fast_exp2((max_w - base) * log2_unit);
+          row_sum[fm][sl] = row_sum[fm][sl] * alpha_own[fm][sl] + sum_w * alpha_w[fm][sl];
+          row_max[fm][sl] = m_new;
+        }
+      int i = 0;
+      o.for_each(lane, [&](int fm, int sl, int, int, float& x) {
+        x = x * alpha_own[fm][sl] + src[32 * i++] * alpha_w[fm][sl];
+      });
+    }
+  }
 
   // Epilogue: O / l and lse = ln(sum exp(scaled scores)); rows with no visible key: 0 and -inf.
   float inv_sum[kFragM][kSlots];
