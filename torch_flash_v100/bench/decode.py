@@ -8,6 +8,9 @@ implementation: the latency of one decode step and the achieved bandwidth, bytes
 (2 * B * S * Hkv * D * itemsize) over that time, also as a fraction of the HBM bandwidth measured
 in the same run with a device-to-device copy (read + write bytes over time). Every timed call is
 preceded by a write of a buffer larger than the L2 cache, so that no step finds the cache there.
+On CUDA each step is timed twice: called eagerly (the time between events around the call, which
+includes host work the GPU waits for), and captured once in a CUDA graph and replayed (the GPU's
+time alone, as a serving loop that replays its decode step sees it).
 
 Implementations:
 - ``flashv100``: flash_attn_with_kvcache on a contiguous cache [B, S_cache, Hkv, D], appending the
@@ -102,6 +105,17 @@ def _time(fn: Callable[[], object], device: torch.device, reps: int,
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _graph_replay(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn captured once in a CUDA graph (after a warm-up call): its replay, as a serving loop
+    runs a decode step (no host work per launch)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def measure_hbm_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
@@ -253,6 +267,13 @@ def run_decode(configs: List[DecodeConfig], device="cuda", *, impls: Optional[Li
                                    hbm_fraction=info / seconds / bandwidth)
                     except (RuntimeError, torch.OutOfMemoryError) as e:
                         row.update(status="error", reason=" ".join(str(e).split())[:300])
+                    if row["status"] == "ok" and device.type == "cuda":
+                        try:
+                            seconds = _time(_graph_replay(fn), device, reps, flush)
+                            row.update(graph_time_us=seconds * 1e6,
+                                       graph_hbm_fraction=info / seconds / bandwidth)
+                        except (RuntimeError, torch.OutOfMemoryError) as e:
+                            row.update(graph_error=" ".join(str(e).split())[:300])
                 rows.append(row)
             del built
             if device.type == "cuda":
@@ -271,15 +292,21 @@ def markdown(doc: dict) -> str:
     meta = doc["metadata"]
     lines = [f"# Decode: one token per sequence against a KV cache ({meta['device']})", "",
              f"torch {meta['torch']}, commit {str(meta.get('commit'))[:10]}; HBM copy bandwidth {meta['hbm_copy_gbps']:.0f} GB/s "
-             f"(read + write); median of {meta['repetitions']} steps, L2 flushed before each.",
-             "", "| configuration | implementation | time (us) | GB/s (K/V read) | of HBM |",
-             "|---|---|---:|---:|---:|"]
+             f"(read + write); median of {meta['repetitions']} steps, L2 flushed before each. "
+             "Eager: one call per step (host work included where the GPU waits for it); graph: "
+             "the step captured once in a CUDA graph and replayed, as serving loops run it.",
+             "", "| configuration | implementation | time (us) | GB/s (K/V read) | of HBM "
+             "| graph time (us) | graph: of HBM |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in doc["results"]:
         if r["status"] == "ok":
+            graph = (f"{r['graph_time_us']:.1f} | {100 * r['graph_hbm_fraction']:.0f}%"
+                     if "graph_time_us" in r else f"{r.get('graph_error', '-')} |")
             lines.append(f"| {r['key']} | {r['impl']} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
-                         f"{100 * r['hbm_fraction']:.0f}% |")
+                         f"{100 * r['hbm_fraction']:.0f}% | {graph} |")
         else:
-            lines.append(f"| {r['key']} | {r['impl']} | {r['status']}: {r.get('reason', '')} | | |")
+            lines.append(f"| {r['key']} | {r['impl']} | {r['status']}: {r.get('reason', '')} "
+                         "| | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -42,7 +42,8 @@ const char* fused_unsupported_reason(MmaAtom atom, const FusedProblem& problem,
   if (dtype == at::kBFloat16 && atom == MmaAtom::kVoltaM8N8K4)
     return "bf16 has no Volta tensor-core atom";
   const int64_t d = problem.head_dim;
-  if (d % 8 != 0 || d < 8 || d > 256) return "head dim is not a multiple of 8 in [8, 256]";
+  if (d % 8 != 0 || d < 8 || d > kern::kMaxHeadDim)
+    return "head dim is not a multiple of 8 in [8, 256]";
   if (problem.head_dim_v != d) return "value head dim differs from query head dim";
   if (problem.empty) return "empty tensor";
   if (problem.len_q > INT32_MAX / 2 || problem.len_kv > INT32_MAX / 2) return "sequence too long";

@@ -39,6 +39,12 @@ struct FastDivmod {
   }
 };
 
+// A compile-time flag passed to generic lambdas (NVRTC has no <type_traits>).
+template <bool kValue>
+struct BoolTag {
+  static constexpr bool value = kValue;
+};
+
 // The rows of one key/value head of a sequence in a paged KV cache (KVCacheParams), for a tile
 // whose row 0 is the sequence's cache row `first`: row r is row (first + r) % page_size of page
 // table[(first + r) / page_size].
@@ -54,6 +60,13 @@ struct PagedRows {
     const int page = page_size.quotient(row);
     return head + static_cast<int64_t>(__ldg(table + page)) * page_stride +
            static_cast<int64_t>(row - page * page_size.divisor) * row_stride;
+  }
+
+  // Row 0's address if rows [0, rows) lie in one page (then row r is at row_stride * r from
+  // it), else nullptr. Reads the table only for row 0.
+  __device__ __forceinline__ const uint16_t* single_page(int rows) const {
+    return page_size.quotient(first) == page_size.quotient(first + rows - 1) ? (*this)(0)
+                                                                             : nullptr;
   }
 };
 

@@ -12,6 +12,7 @@ namespace kern {
 
 // The compiled head-dim buckets; launchers and the NVRTC gate enumerate them through this list.
 #define FLASHV100_FOR_EACH_HEAD_DIM(X) X(32) X(64) X(128) X(256)
+constexpr int kMaxHeadDim = 256;  // the largest bucket
 
 constexpr int kSmemPad = 8;  // 16 bytes of row padding against bank conflicts
 
@@ -137,11 +138,23 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "forward tile exceeds shared memory");
   // Resident blocks per SM asked of ptxas (0: its choice). The Volta atom on sm_80+ (its
   // correctness path there) asks for 1: else ptxas spills its general variant to fit a third block.
+  // The plain decode tile at head dim 128 with asynchronous copies asks for 3 (168 registers):
+  // decoding is bound by the loads in flight, and ptxas' own choice for the paged kernel held 2
+  // blocks per SM (its general variant, and the paged one at head dim 64, spill at 3;
+  // scripts/nvrtc_gate.py).
 #if defined(__CUDA_ARCH__)
-  static constexpr int kMinBlocks = Atom::kNativeArch < 800 && __CUDA_ARCH__ >= 800 ? 1 : 0;
+  static constexpr int kMinBlocks =
+      Atom::kNativeArch < 800 && __CUDA_ARCH__ >= 800 ? 1
+      : kShape == FwdShape::kDecode && Atom::kAsyncCopy && kVariant == Variant::kPlain &&
+              kHeadDim_ == 128
+          ? 3
+          : 0;
 #else
   static constexpr int kMinBlocks = 0;
 #endif
+  // Paged kernels ask for one block where kMinBlocks asks for none: else ptxas spills the
+  // general variant's page addressing to fit a third (scripts/nvrtc_gate.py).
+  static constexpr int min_blocks(bool paged) { return paged && kMinBlocks == 0 ? 1 : kMinBlocks; }
 };
 
 // Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N] (over the

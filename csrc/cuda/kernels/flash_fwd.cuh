@@ -26,13 +26,11 @@ namespace flashv100 {
 namespace kern {
 
 // kVariant: with or without attn_mask, with or without dropout (configs.cuh). kPaged: K/V in a
-// paged KV cache; those kernels ask ptxas for one resident block only (else it spills the general
-// variant's page addressing to fit a third; scripts/nvrtc_gate.py). kShape: the prefill or the
-// decode tile (configs.cuh).
+// paged KV cache (FwdConfig::min_blocks). kShape: the prefill or the decode tile (configs.cuh).
 template <class Atom, class Elem, int kHeadDim, Variant kVariant, bool kPaged = false,
           FwdShape kShape = FwdShape::kPrefill>
 __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::kThreads,
-                                  kPaged ? 1 : FwdConfig<Atom, kHeadDim, kVariant, kShape>::kMinBlocks)
+                                  FwdConfig<Atom, kHeadDim, kVariant, kShape>::min_blocks(kPaged))
     flash_fwd_kernel(const ForwardParams p) {
   using Cfg = FwdConfig<Atom, kHeadDim, kVariant, kShape>;
   constexpr bool kGeneral = Cfg::kGeneral, kDropout = Cfg::kDropout;
@@ -91,12 +89,25 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     key_begin += static_cast<int>(share.first) * kBlockN;
   }
 
+  // Paged key tile n0: as a contiguous tile when it lies in one page (one block-table read
+  // instead of one per row, and contiguous address math), else row by row.
+  const auto stage_paged = [&](uint16_t* dst, int ld, const uint16_t* head,
+                               const TensorStrides& st, int n0, auto transpose) {
+    constexpr bool kTranspose = decltype(transpose)::value;
+    const PagedRows rows = paged_rows(head, st, n0);
+    if (const uint16_t* base = rows.single_page(kBlockN)) {
+      stage_tile<Atom, kBlockN, kHeadDim, kThreads, kTranspose>(dst, ld, base, st.row,
+                                                                vis.len_kv - n0, d, tid);
+    } else {
+      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kTranspose, true>(
+          dst, ld, rows, head, vis.len_kv - n0, d, tid);
+    }
+  };
   // Key tile n0 into K/V buffer `buf` (kKVStages of them).
   const auto stage_k = [&](int n0, int buf) {
     uint16_t* const dst = sK + buf * Cfg::kKElems;
     if constexpr (kPaged) {
-      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, false, true>(
-          dst, Cfg::kLdQK, paged_rows(k_head, p.k_strides, n0), k_head, vis.len_kv - n0, d, tid);
+      stage_paged(dst, Cfg::kLdQK, k_head, p.k_strides, n0, BoolTag<false>{});
     } else {
       stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
                                                     p.k_strides.row, vis.len_kv - n0, d, tid);
@@ -106,8 +117,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     uint16_t* const dst = sV + buf * Cfg::kVElems;
     constexpr int kLdV = kVTransposed ? Cfg::kLdVt : Cfg::kLdQK;
     if constexpr (kPaged) {
-      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kVTransposed, true>(
-          dst, kLdV, paged_rows(v_head, p.v_strides, n0), v_head, vis.len_kv - n0, d, tid);
+      stage_paged(dst, kLdV, v_head, p.v_strides, n0, BoolTag<kVTransposed>{});
     } else {
       stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
           dst, kLdV, v_head + n0 * p.v_strides.row, p.v_strides.row, vis.len_kv - n0, d, tid);

@@ -100,17 +100,45 @@ __global__ void __launch_bounds__(kCombineWarps * 32) split_kv_combine_kernel(co
     p.lse[b * p.lse_layout.batch + h * p.lse_layout.head + r] =
         total > 0.0f ? top + logf(total) : neg_inf();
   }
-  const int64_t dim = shape.head_dim_v;
-  const float* out_parts = p.split.out_accum + row_id * dim;
-  uint16_t* out = head_ptr(p.out, p.out_strides, b, h, r);
-  for (int64_t e = lane; e < dim; e += 32) {
-    float acc = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float w = weights[warp][s];
-      if (w != 0.0f) acc += w * out_parts[s * rows * dim + e];
+  // Lane l sums elements [8 l, 8 l + 8) of the row (head dims are multiples of 8) split by split,
+  // in order. The partials were just written (L2): the loads of kBatch splits go out together
+  // before their sums, not one L2 round trip a split. Every split wrote its rows (zeros for an
+  // empty share), so weight 0 adds exact zeros.
+  constexpr int kLaneElems = 8, kBatch = 8;
+  static_assert(kLaneElems * 32 >= kMaxHeadDim, "a row's elements over one warp");
+  const int dim = static_cast<int>(shape.head_dim_v);
+  const int e0 = lane * kLaneElems;
+  if (e0 >= dim) return;
+  const float* part = p.split.out_accum + row_id * dim + e0;
+  const int64_t split_stride = rows * dim;
+  float acc[kLaneElems] = {};
+  const auto accumulate = [&](float w, const float4 (&x)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      acc[4 * i] += w * x[i].x, acc[4 * i + 1] += w * x[i].y;
+      acc[4 * i + 2] += w * x[i].z, acc[4 * i + 3] += w * x[i].w;
     }
-    out[e] = Elem::from_float(acc * inv_total);
+  };
+  const auto load = [&](int s, float4 (&x)[2]) {
+    const float4* src = reinterpret_cast<const float4*>(part + s * split_stride);
+    x[0] = src[0], x[1] = src[1];
+  };
+  int s = 0;
+  for (; s + kBatch <= splits; s += kBatch) {
+    float4 x[kBatch][2];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) load(s + u, x[u]);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) accumulate(weights[warp][s + u], x[u]);
   }
+  for (; s < splits; ++s) {
+    float4 x[2];
+    load(s, x);
+    accumulate(weights[warp][s], x);
+  }
+  uint16_t* out = head_ptr(p.out, p.out_strides, b, h, r) + e0;
+#pragma unroll
+  for (int i = 0; i < kLaneElems; ++i) out[i] = Elem::from_float(acc[i] * inv_total);
 }
 
 }  // namespace kern
