@@ -65,6 +65,7 @@ KVCACHE_CASES = [  # (B, Hq, Hkv, D, seqlen_q, seqlens, capacity, page_size, spl
     (3, 2, 2, 256, 1, [1, 64, 130], 144, 48, 7, {}),
     (2, 8, 8, 40, 5, [0, 60], 80, None, 2, dict(batch_idx=True, rotary=True)),
     (1, 8, 2, 128, 33, [100], 192, 16, 0, dict(window=(31, 0), softcap=3.0)),
+    (2, 8, 2, 128, 1, [100, 254], 256, 128, 3, dict(leftpad=[3, 0])),
 ]
 
 
