@@ -209,9 +209,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
 #pragma unroll
       for (int sl = 0; sl < kSlots; ++sl) {
         const float m_new = fmaxf(row_max[fm][sl], row_allreduce_max<Atom>(tile_max[fm][sl]));
-        // A row that has seen no visible key yet keeps max -inf; exponentiate against 0 so that
-        // exp(-inf - base) stays 0 instead of NaN.
-        base[fm][sl] = m_new == neg_inf() ? 0.0f : m_new;
+        base[fm][sl] = softmax_base(m_new);
         alpha[fm][sl] = fast_exp2((row_max[fm][sl] - base[fm][sl]) * log2_unit);
         row_max[fm][sl] = m_new;
         row_sum[fm][sl] *= alpha[fm][sl];
@@ -254,6 +252,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     float* const merge = reinterpret_cast<float*>(smem_raw) + lane;
     constexpr int kLaneFloats = Cfg::kMergeFloatsPerLane;
     constexpr int kStatsAt = kLaneFloats - 2 * kFragM * kSlots;  // max and sum after O
+    // Warp w's row max of (fm, sl) in its area `area`; the row sum is 32 floats after it.
+    const auto row_stats = [](auto* area, int fm, int sl) {
+      return area + 32 * (kStatsAt + 2 * (fm * kSlots + sl));
+    };
     __syncthreads();  // every warp is done with Q, K and V (the merge area)
     if (key_warp > 0) {
       float* const dst = merge + (key_warp - 1) * kLaneFloats * 32;
@@ -263,8 +265,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
       for (int fm = 0; fm < kFragM; ++fm)
 #pragma unroll
         for (int sl = 0; sl < kSlots; ++sl) {
-          dst[32 * (kStatsAt + 2 * (fm * kSlots + sl))] = row_max[fm][sl];
-          dst[32 * (kStatsAt + 2 * (fm * kSlots + sl) + 1)] = row_sum[fm][sl];
+          row_stats(dst, fm, sl)[0] = row_max[fm][sl];
+          row_stats(dst, fm, sl)[32] = row_sum[fm][sl];
         }
     }
     __syncthreads();
@@ -277,10 +279,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
       for (int fm = 0; fm < kFragM; ++fm)
 #pragma unroll
         for (int sl = 0; sl < kSlots; ++sl) {
-          const float max_w = src[32 * (kStatsAt + 2 * (fm * kSlots + sl))];
-          const float sum_w = src[32 * (kStatsAt + 2 * (fm * kSlots + sl) + 1)];
+          const float max_w = row_stats(src, fm, sl)[0];
+          const float sum_w = row_stats(src, fm, sl)[32];
           const float m_new = fmaxf(row_max[fm][sl], max_w);
-          const float base = m_new == neg_inf() ? 0.0f : m_new;  // rows without a visible key
+          const float base = softmax_base(m_new);
           alpha_own[fm][sl] = fast_exp2((row_max[fm][sl] - base) * log2_unit);
           alpha_w[fm][sl] = fast_exp2((max_w - base) * log2_unit);
           row_sum[fm][sl] = row_sum[fm][sl] * alpha_own[fm][sl] + sum_w * alpha_w[fm][sl];

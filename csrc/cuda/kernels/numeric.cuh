@@ -62,6 +62,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
+// The base a row's scores are exponentiated against, given its running max: a row that has seen
+// no visible key keeps max -inf and uses 0, so that exp(-inf - base) is 0 instead of NaN.
+__device__ __forceinline__ float softmax_base(float row_max) {
+  return row_max == neg_inf() ? 0.0f : row_max;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
