@@ -4,6 +4,10 @@ Nsight Compute, e.g.
 
     ncu --clock-control none -k regex:flash --launch-skip 8 --set full \
         python scripts/profile_kernels.py --configs 4,16,4096,128
+
+--impl sdpa-flash runs PyTorch's flash backend (FlashAttention-2) on the same problems instead,
+for side-by-side profiles (its kernels: flash_fwd_kernel<Flash_fwd_kernel_traits...>,
+flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel, ...).
 """
 import argparse
 import math
@@ -22,6 +26,7 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, nargs="+", default=[0.0],
                     help="dropout_p values, each run in turn per configuration")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--impl", choices=["flashv100", "sdpa-flash"], default="flashv100")
     args = ap.parse_args()
     ops = torch.ops.flashv100
     with tfv.volta_atom(args.volta):
@@ -31,12 +36,26 @@ def main() -> None:
             dout = torch.randn_like(q)
             for p in args.dropout:
                 for _ in range(args.warmup + 1):
+                    if args.impl == "sdpa-flash":
+                        sdpa_flash_step(q, k, v, dout, p, args.causal)
+                        continue
                     out, lse, rng = ops._attention_forward(q, k, v, None, p, int(args.causal),
                                                            1.0 / math.sqrt(e))
                     ops._attention_backward(dout, q, k, v, None, out, lse, rng, p,
                                             int(args.causal), 1.0 / math.sqrt(e), False, False)
                 torch.cuda.synchronize()
-                print("profiled", spec, f"dropout_p={p}", "causal" if args.causal else "")
+                print("profiled", args.impl, spec, f"dropout_p={p}",
+                      "causal" if args.causal else "")
+
+
+def sdpa_flash_step(q, k, v, dout, dropout_p: float, causal: bool) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
+                                                               is_causal=causal)
+    out.backward(dout)
 
 
 if __name__ == "__main__":

@@ -110,10 +110,9 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr int kWarpKeys = T::kBlockN / T::kKeyWarps;
   static_assert(T::kKeyWarps == 1 || T::kKeyWarps == T::kWarps,
                 "a key-split tile has one row tile (its merge, flash_fwd.cuh)");
-  // The S product as one straight block (warp_gemm's kStraightFullExtent): all variants but
-  // plain, whose head-dim-64 tile spills 8 bytes with it on sm_80 since the causal/window band
-  // (its dropout twin spills 4 bytes without it; scripts/nvrtc_gate.py).
-  static constexpr bool kStraightS = kVariant != Variant::kPlain;
+  // The S product as one straight block where its extents allow (warp_gemm): all but the
+  // mask + dropout tile at head dim 128, which measured 14% slower that way on the H200.
+  static constexpr bool kStraightS = !(kVariant == Variant::kMaskedDropout && kHeadDim == 128);
   // V is stored transposed for atoms that read B fragments pair by pair (pairs along keys).
   static constexpr bool kVTransposed = !Atom::kLdmatrix;
   static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]
@@ -191,6 +190,9 @@ struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain> {
   static constexpr bool kGeneral = is_general(kVariant);
   static constexpr bool kDropout = has_dropout(kVariant);
   static constexpr int kThreads = T::kWarps * 32;
+  // S and dP as straight blocks where their extents allow (warp_gemm): all but the masked
+  // variants at head dim 64, which spill that way (sm_80, scripts/nvrtc_gate.py).
+  static constexpr bool kStraightScores = !(kGeneral && kHeadDim_ == 64);
   // Warp tiles of the three products.
   static constexpr int kSRows = T::kBlockM / (T::kSWarps / T::kWarpsNS);
   static constexpr int kSCols = T::kBlockN / T::kWarpsNS;

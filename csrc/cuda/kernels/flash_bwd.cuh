@@ -48,31 +48,57 @@ __device__ __forceinline__ int64_t lse_index(const ForwardParams& f, const Seque
   return b * f.lse_layout.batch + h * f.lse_layout.head + seq.q_start + i;
 }
 
-// Q, dO and the row vectors of BwdSmem of query rows [m0, m0 + kBlockM) of head h (Q and dO by
-// stage_tile: they land after cp_async_wait_all). Rows past the end get row_base = +inf so that
-// their recomputed P is exactly 0.
-template <class Atom, class Cfg>
-__device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, const BackwardParams& p,
-                                                const float* dsum, const SequenceSpan& seq,
-                                                int64_t b, int64_t h, int m0, int tid) {
-  const ForwardParams& f = p.fwd;
-  const int rows = static_cast<int>(seq.len_q) - m0;
-  const int d = static_cast<int>(f.shape.head_dim);
-  const int64_t row_index = row_vector_index(f, b, h, m0);
-  const int64_t q_row = seq.q_start + m0;
-  stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
-      sm.q, Cfg::kLdE, head_ptr(f.q, f.q_strides, b, h, q_row), f.q_strides.row, rows, d, tid);
-  stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
-      sm.dout, Cfg::kLdE, head_ptr(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row, rows,
-      d, tid);
-  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(
-      sm.row_base, Cfg::kGeneral ? p.row_base + row_index : f.lse + lse_index(f, seq, b, h, m0),
-      rows, pos_inf(), tid);
-  load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.dsum, dsum + row_index, rows, 0.0f, tid);
-  if constexpr (Cfg::kGeneral) {
-    load_row_vector<Cfg::kBlockM, Cfg::kThreads>(sm.log2_norm, p.row_log2_norm + row_index, rows,
-                                                 0.0f, tid);
+// The row vectors of BwdSmem for one query tile, one row per thread of the first kBlockM:
+// fetched into registers when the tile's loads are issued and written to shared memory just
+// before the barrier that publishes the tile, so that the global loads' latency overlaps the
+// work in between (loading straight into shared memory would stall those warps at the load).
+// Rows past the end get row_base = +inf so that their recomputed P is exactly 0.
+template <class Cfg>
+struct QueryRowVectors {
+  static_assert(Cfg::kBlockM <= Cfg::kThreads, "one query row per thread");
+  float base, dsum, log2_norm;
+
+  __device__ __forceinline__ void fetch(const BackwardParams& p, const float* dsum_all,
+                                        const SequenceSpan& seq, int64_t b, int64_t h, int m0,
+                                        int tid) {
+    const ForwardParams& f = p.fwd;
+    const int64_t row_index = row_vector_index(f, b, h, m0 + tid);
+    base = pos_inf();
+    dsum = log2_norm = 0.0f;
+    if (m0 + tid >= seq.len_q) return;
+    if constexpr (Cfg::kGeneral) {
+      base = p.row_base[row_index];
+      log2_norm = p.row_log2_norm[row_index];
+    } else {
+      base = f.lse[lse_index(f, seq, b, h, m0 + tid)];
+    }
+    dsum = dsum_all[row_index];
   }
+  __device__ __forceinline__ void commit(const BwdSmem<Cfg>& sm, int tid) const {
+    if (tid >= Cfg::kBlockM) return;
+    sm.row_base[tid] = base;
+    sm.dsum[tid] = dsum;
+    if constexpr (Cfg::kGeneral) sm.log2_norm[tid] = log2_norm;
+  }
+};
+
+// Q and dO of query rows [m0, m0 + kBlockM) of head h (by stage_tile: they land after
+// cp_async_wait_all), and that tile's row vectors into `rows` (to commit before the barrier).
+template <class Atom, class Cfg>
+__device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, QueryRowVectors<Cfg>& rows,
+                                                const BackwardParams& p, const float* dsum,
+                                                const SequenceSpan& seq, int64_t b, int64_t h,
+                                                int m0, int tid) {
+  const ForwardParams& f = p.fwd;
+  const int n_rows = static_cast<int>(seq.len_q) - m0;
+  const int d = static_cast<int>(f.shape.head_dim);
+  const int64_t q_row = seq.q_start + m0;
+  if (tid < Cfg::kBlockM) rows.fetch(p, dsum, seq, b, h, m0, tid);
+  stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
+      sm.q, Cfg::kLdE, head_ptr(f.q, f.q_strides, b, h, q_row), f.q_strides.row, n_rows, d, tid);
+  stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
+      sm.dout, Cfg::kLdE, head_ptr(p.dout, p.dout_strides, b, h, q_row), p.dout_strides.row,
+      n_rows, d, tid);
 }
 
 // K and V of key rows [n0, n0 + kBlockN) of a sequence's kv head, whose row 0 is at k_head and
@@ -127,10 +153,10 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   Acc s, dp;
   s.zero();
   dp.zero();
-  warp_gemm<Atom, Elem, Cfg::kHeadDim>(s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE},
+  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE},
                                        KMajor{sm.k + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
                                        Cfg::kSCols, lane);
-  warp_gemm<Atom, Elem, Cfg::kHeadDim>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
+  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
                                        KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
                                        Cfg::kSCols, lane);
   // Base (lse) and D of the rows this lane holds; the base in base 2 for the plain variant (one
@@ -150,14 +176,8 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     }
   // Scores as in the forward (raw for the plain variant, scaled plus bias for the general one);
   // hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get probability 0.
-  const bool needs_mask = vis.tile_needs_mask(m0 + r0, Cfg::kSRows, n0 + c0, Cfg::kSCols);
-  s.for_each(lane, [&](int, int, int r, int c, float& x) {
-    if (needs_mask && !vis.visible(m0 + r0 + r, n0 + c0 + c)) {
-      x = neg_inf();
-    } else if constexpr (Cfg::kGeneral) {
-      x *= scale;
-    }
-  });
+  if constexpr (Cfg::kGeneral) s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
+  vis.hide(s, lane, m0 + r0, n0 + c0);
   if constexpr (Cfg::kGeneral) {
     head.mods.apply(s, lane, m0 + r0, n0 + c0);
     head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
@@ -410,13 +430,17 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
     return step;
   };
   int step = first_active(0);
-  if (step < steps) load_query_side<Atom>(sm, p, dsum, seq, b, head_of(step), row_of(step), tid);
+  QueryRowVectors<Cfg> rows;
+  if (step < steps) {
+    load_query_side<Atom>(sm, rows, p, dsum, seq, b, head_of(step), row_of(step), tid);
+  }
   for (int next; step < steps; step = next) {
     next = first_active(step + 1);
     const int64_t h = head_of(step);
     const int m0 = row_of(step);
     const BwdHead head(p, seq, b, h);
     cp_async_wait_all();
+    rows.commit(sm, tid);
     __syncthreads();  // this step's Q, dO, lse, D landed; the last step's dS is fully consumed
     compute_p_ds<Atom, Elem, Cfg, true, true>(sm, head, dropout, scale, k_extent, m0, n0, warp,
                                               lane);
@@ -429,7 +453,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
     // The next step's query side loads while dQ = dS K is computed (it reads only dS and K).
     __syncthreads();
     if (next < steps) {
-      load_query_side<Atom>(sm, p, dsum, seq, b, head_of(next), row_of(next), tid);
+      load_query_side<Atom>(sm, rows, p, dsum, seq, b, head_of(next), row_of(next), tid);
     }
     if (dq_accum != nullptr) {
       for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
@@ -440,9 +464,19 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
                                        MMajor{sm.k + q_c0, kLdE}, kBlockN, n_extent - q_c0, lane);
         float* dst = DqWs::warp_tile(dq_accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
                                      e0 / Cfg::kDqCols, warp);
-        DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) {
-          if (q_c0 + QAcc::col_of(lane, fn, i) < d) atomicAdd(dst + slot, dq.c[fm][fn][i]);
-        });
+        // Columns past d only where the warp's columns reach past it: one uniform branch, not
+        // a divergence region per atomic.
+        const auto add = [&](auto checked) {
+          DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) {
+            if (!decltype(checked)::value || q_c0 + QAcc::col_of(lane, fn, i) < d)
+              atomicAdd(dst + slot, dq.c[fm][fn][i]);
+          });
+        };
+        if (q_c0 + Cfg::kQCols <= d) {
+          add(BoundsChecked<false>{});
+        } else {
+          add(BoundsChecked<true>{});
+        }
       }
     }
   }
@@ -482,7 +516,9 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const int64_t hk = kv_head_of(h, f.shape.heads_q, f.shape.heads_kv);
   const BwdHead head(p, seq, b, h);
 
-  load_query_side<Atom>(sm, p, dsum, seq, b, h, m0, tid);
+  QueryRowVectors<Cfg> rows;
+  load_query_side<Atom>(sm, rows, p, dsum, seq, b, h, m0, tid);
+  rows.commit(sm, tid);  // published by the first key tile's barriers
   const uint16_t* k_head = head_ptr(f.k, f.k_strides, b, hk, seq.k_start);
   const uint16_t* v_head = head_ptr(f.v, f.v_strides, b, hk, seq.k_start);
 

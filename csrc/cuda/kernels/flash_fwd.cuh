@@ -181,14 +181,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     // folded into one FMA with the running max), scaled, softcapped, ALiBi- and mask-biased
     // (natural-log units, so that finfo.min biases cannot overflow) for the general one.
     // Invisible keys: -inf.
-    const bool needs_mask = vis.tile_needs_mask(m0 + warp_row0, kWarpRows, nw0, kWarpKeys);
-    s.for_each(lane, [&](int, int, int r, int c, float& x) {
-      if (needs_mask && !vis.visible(m0 + warp_row0 + r, nw0 + c)) {
-        x = neg_inf();
-      } else if constexpr (kGeneral) {
-        x *= scale;
-      }
-    });
+    if constexpr (kGeneral) s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
+    vis.hide(s, lane, m0 + warp_row0, nw0);
     if constexpr (kGeneral) {
       mods.apply(s, lane, m0 + warp_row0, nw0);
       mask.add_bias(s, lane, m0 + warp_row0, nw0, vis.len_q);

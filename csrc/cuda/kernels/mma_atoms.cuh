@@ -152,6 +152,30 @@ struct AmpereAtom {
 #endif
   }
 
+  // The B fragments of the two 8(n) x 16(k) blocks at (n0, k0) and (n0 + 8, k0): four 8x8
+  // matrices (n block 0 / 1 x k 0-7 / 8-15), one instruction instead of two load_b.
+  template <class Op>
+  static __device__ __forceinline__ void load_b_pair(const Op& op, int n0, int k0, int lane,
+                                                     uint32_t (&b0)[kBRegs],
+                                                     uint32_t (&b1)[kBRegs]) {
+    const int q = lane >> 3, r = lane & 7;
+    const int n = n0 + 8 * (q >> 1), k = k0 + 8 * (q & 1);
+    const uint16_t* row = Op::kKContiguous ? op.at(n + r, k) : op.at(n, k + r);
+#if FLASHV100_SM80
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    if constexpr (Op::kKContiguous) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1]) : "r"(addr));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1]) : "r"(addr));
+    }
+#else
+    (void)row;
+    __trap();
+#endif
+  }
+
   template <class Elem>
   static __device__ __forceinline__ void mma(float (&c)[kCRegs], const uint32_t (&a)[kARegs],
                                              const uint32_t (&b)[kBRegs]) {

@@ -137,13 +137,6 @@ __device__ __forceinline__ void stage_tile(uint16_t* smem, int ld, const uint16_
       smem, ld, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
 }
 
-// Loads kRows floats of a per-row vector into shared memory (`fill` beyond n_valid).
-template <int kRows, int kThreads>
-__device__ __forceinline__ void load_row_vector(float* smem, const float* gmem, int n_valid,
-                                                float fill, int tid) {
-  for (int r = tid; r < kRows; r += kThreads) smem[r] = r < n_valid ? gmem[r] : fill;
-}
-
 // Writes a warp accumulator (converted to Elem) into a shared tile at (row0, col0), ld elements.
 template <class Elem, class Acc>
 __device__ __forceinline__ void store_accum_smem(Acc& acc, uint16_t* smem, int ld, int row0,

@@ -40,6 +40,7 @@ using MMajor = SmemOperand<false>;
 template <class Atom, int kRows, int kCols>
 struct WarpAccum {
   static_assert(kRows % Atom::kM == 0 && kCols % Atom::kN == 0, "warp tile must fit the atom");
+  static constexpr int kTileRows = kRows, kTileCols = kCols;
   static constexpr int kFragM = kRows / Atom::kM;
   static constexpr int kFragN = kCols / Atom::kN;
   float c[kFragM][kFragN][Atom::kCRegs];
@@ -102,14 +103,35 @@ struct WarpAccum {
   }
 };
 
+// A compile-time flag passed to generic lambdas (NVRTC has no <type_traits>).
+template <bool kChecked>
+struct BoundsChecked {
+  static constexpr bool value = kChecked;
+};
+
 // acc += A(:, k0:k0+kK) * B(k0:k0+kK, :) for A fragments already in registers: B fragments of
-// the warp tile's columns, skipping column fragments at or beyond n_extent (head-dim padding).
-template <class Atom, class Elem, class Acc, class BOp>
+// the warp tile's columns. kChecked: skip column fragments at or beyond n_extent (head-dim
+// padding), one branch per fragment; unchecked (the whole tile in range), ldmatrix atoms load
+// the B fragments of two column fragments with one instruction.
+template <class Atom, class Elem, bool kChecked, class Acc, class BOp>
 __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::kFragM][Atom::kARegs],
                                            const BOp& b, int k0, int n_extent, int lane) {
+  if constexpr (!kChecked && Atom::kLdmatrix && Acc::kFragN % 2 == 0) {
+#pragma unroll
+    for (int fn = 0; fn < Acc::kFragN; fn += 2) {
+      uint32_t bf[2][Atom::kBRegs];
+      Atom::load_b_pair(b, fn * Atom::kN, k0, lane, bf[0], bf[1]);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int fm = 0; fm < Acc::kFragM; ++fm)
+          Atom::template mma<Elem>(acc.c[fm][fn + j], af[fm], bf[j]);
+    }
+    return;
+  }
 #pragma unroll
   for (int fn = 0; fn < Acc::kFragN; ++fn) {
-    if (fn * Atom::kN >= n_extent) continue;
+    if (kChecked && fn * Atom::kN >= n_extent) continue;
     uint32_t bf[Atom::kBRegs];
     if constexpr (Atom::kLdmatrix) {
       Atom::load_b(b, fn * Atom::kN, k0, lane, bf);
@@ -125,19 +147,17 @@ __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::k
 
 // acc += A * B with A(m, k) over the warp tile's rows and B addressed as (n, k) over its columns.
 // Fragments come pair by pair through the atom's coordinate map, or from the atom's own loader.
-// k_extent (a multiple of Atom::kK, at most kMaxK) bounds the reduction. With ldmatrix the loop
-// is unrolled over kMaxK so that fragment loads of the next step overlap the MMAs of this one;
-// the pair-by-pair loads (Volta) need too many registers for that. kStraightFullExtent: a full
-// extent of at most 4 steps (e.g. head dim 64 in its bucket) takes a copy of the loop without the
-// per-step exit, one basic block in which the scheduler hoists each step's loads over the
-// previous step's MMAs (6% on the forward's S; longer loops, and the backward's tiles, hoist more
-// fragments than they have registers for).
-template <class Atom, class Elem, int kMaxK, bool kStraightFullExtent = false, class Acc,
-          class AOp, class BOp>
+// k_extent (a multiple of Atom::kK, at most kMaxK) and n_extent bound the reduction and the
+// columns (head-dim padding). With ldmatrix, a product whose extents cover the whole tile (the
+// head dim equal to its bucket, and every product over keys or query rows) runs as one straight
+// block without per-step or per-fragment exits, in which the scheduler overlaps each step's
+// fragment loads with the previous step's MMAs; otherwise the loop is unrolled over kMaxK with an
+// exit per step. The pair-by-pair loads (Volta) need too many registers for unrolling.
+template <class Atom, class Elem, int kMaxK, bool kStraight = true, class Acc, class AOp, class BOp>
 __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
                                           int n_extent, int lane) {
   constexpr int kUnroll = Atom::kLdmatrix ? kMaxK / Atom::kK : 1;
-  const auto k_step = [&](int k0) {
+  const auto k_step = [&](int k0, auto checked) {
     uint32_t af[Acc::kFragM][Atom::kARegs];
 #pragma unroll
     for (int fm = 0; fm < Acc::kFragM; ++fm) {
@@ -149,17 +169,17 @@ __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, 
           af[fm][j] = a.pair(fm * Atom::kM + Atom::a_row(lane, j), k0 + Atom::a_col(lane, j));
       }
     }
-    mma_k_step<Atom, Elem>(acc, af, b, k0, n_extent, lane);
+    mma_k_step<Atom, Elem, decltype(checked)::value>(acc, af, b, k0, n_extent, lane);
   };
-  if (kStraightFullExtent && Atom::kLdmatrix && kMaxK <= 4 * Atom::kK && k_extent == kMaxK) {
+  if (kStraight && Atom::kLdmatrix && k_extent == kMaxK && n_extent >= Acc::kFragN * Atom::kN) {
 #pragma unroll
-    for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) k_step(k0);
+    for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) k_step(k0, BoundsChecked<false>{});
     return;
   }
 #pragma unroll kUnroll
   for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) {
     if (k0 >= k_extent) break;
-    k_step(k0);
+    k_step(k0, BoundsChecked<true>{});
   }
 }
 
@@ -170,13 +190,20 @@ __device__ __forceinline__ void warp_gemm_accum_a(Acc& acc, const AAcc& a, const
                                                   int n_extent, int lane) {
   static_assert(Atom::kAccumIsA && AAcc::kFragM == Acc::kFragM && Atom::kK == 2 * Atom::kN,
                 "A-from-accumulator needs two accumulator tiles per k step");
+  const auto k_steps = [&](auto checked) {
 #pragma unroll
-  for (int kk = 0; kk < AAcc::kFragN / 2; ++kk) {
-    uint32_t af[Acc::kFragM][Atom::kARegs];
+    for (int kk = 0; kk < AAcc::kFragN / 2; ++kk) {
+      uint32_t af[Acc::kFragM][Atom::kARegs];
 #pragma unroll
-    for (int fm = 0; fm < Acc::kFragM; ++fm)
-      Atom::template a_from_accum<Elem>(a.c[fm][2 * kk], a.c[fm][2 * kk + 1], af[fm]);
-    mma_k_step<Atom, Elem>(acc, af, b, kk * Atom::kK, n_extent, lane);
+      for (int fm = 0; fm < Acc::kFragM; ++fm)
+        Atom::template a_from_accum<Elem>(a.c[fm][2 * kk], a.c[fm][2 * kk + 1], af[fm]);
+      mma_k_step<Atom, Elem, decltype(checked)::value>(acc, af, b, kk * Atom::kK, n_extent, lane);
+    }
+  };
+  if (n_extent >= Acc::kFragN * Atom::kN) {
+    k_steps(BoundsChecked<false>{});
+  } else {
+    k_steps(BoundsChecked<true>{});
   }
 }
 
