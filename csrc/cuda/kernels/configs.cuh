@@ -110,9 +110,6 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr int kWarpKeys = T::kBlockN / T::kKeyWarps;
   static_assert(T::kKeyWarps == 1 || T::kKeyWarps == T::kWarps,
                 "a key-split tile has one row tile (its merge, flash_fwd.cuh)");
-  // The S product as one straight block where its extents allow (warp_gemm): all but the
-  // mask + dropout tile at head dim 128, which measured 14% slower that way on the H200.
-  static constexpr bool kStraightS = !(kVariant == Variant::kMaskedDropout && kHeadDim == 128);
   // V is stored transposed for atoms that read B fragments pair by pair (pairs along keys).
   static constexpr bool kVTransposed = !Atom::kLdmatrix;
   static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]

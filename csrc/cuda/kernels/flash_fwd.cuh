@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     SAcc s;
     s.zero();
     const int nw0 = n0 + warp_key0;  // the warp's first key
-    warp_gemm<Atom, Elem, kHeadDim, Cfg::kStraightS>(
+    warp_gemm<Atom, Elem, kHeadDim>(
         s, q_op, KMajor{sK + buf * Cfg::kKElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK}, k_extent,
         kWarpKeys, lane);
 
