@@ -153,12 +153,12 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   Acc s, dp;
   s.zero();
   dp.zero();
-  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE},
-                                       KMajor{sm.k + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
-                                       Cfg::kSCols, lane);
-  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE},
-                                       KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE}, k_extent,
-                                       Cfg::kSCols, lane);
+  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(
+      s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE}, KMajor{sm.k + c0 * Cfg::kLdE, Cfg::kLdE},
+      k_extent, Cfg::kSCols, lane);
+  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(
+      dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE}, KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE},
+      k_extent, Cfg::kSCols, lane);
   // Base (lse) and D of the rows this lane holds; the base in base 2 for the plain variant (one
   // FMA per score), in natural-log units for the general one (scores - base first: finfo.min
   // biases), which adds the row's log2 normalizer in the same FMA.

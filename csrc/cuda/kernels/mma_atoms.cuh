@@ -108,50 +108,62 @@ struct AmpereAtom {
   static __device__ __forceinline__ int c_row(int lane, int i) { return slot_row(lane, row_slot(i)); }
   static __device__ __forceinline__ int c_col(int lane, int i) { return (lane & 3) * 2 + (i & 1); }
 
+  // ldmatrix of four / two 8x8 matrices from shared memory, lane i giving the address of row
+  // i % 8 of matrix i / 8; kTrans transposes each matrix (the stored rows are its columns).
+  template <bool kTrans>
+  static __device__ __forceinline__ void ldmatrix_x4(const uint16_t* row, uint32_t& r0,
+                                                     uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+#if FLASHV100_SM80
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    if constexpr (kTrans) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+    }
+#else
+    (void)row, (void)r0, (void)r1, (void)r2, (void)r3;
+    __trap();
+#endif
+  }
+  template <bool kTrans>
+  static __device__ __forceinline__ void ldmatrix_x2(const uint16_t* row, uint32_t& r0,
+                                                     uint32_t& r1) {
+#if FLASHV100_SM80
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    if constexpr (kTrans) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                   : "=r"(r0), "=r"(r1) : "r"(addr));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                   : "=r"(r0), "=r"(r1) : "r"(addr));
+    }
+#else
+    (void)row, (void)r0, (void)r1;
+    __trap();
+#endif
+  }
+
   // The A fragment of the 16x16 block at (m0, k0): four 8x8 matrices (rows 0-7 / 8-15 x k 0-7 /
-  // 8-15); lane i addresses row i % 8 of matrix i / 8. A k-contiguous operand gives rows of A;
-  // otherwise the stored rows are rows of A^T and ldmatrix.trans transposes them.
+  // 8-15). A k-contiguous operand gives rows of A; otherwise the stored rows are rows of A^T and
+  // ldmatrix.trans transposes them.
   template <class Op>
   static __device__ __forceinline__ void load_a(const Op& op, int m0, int k0, int lane,
                                                 uint32_t (&a)[kARegs]) {
     const int q = lane >> 3, r = lane & 7;
     const int m = m0 + 8 * (q & 1), k = k0 + 8 * (q >> 1);
-    const uint16_t* row = Op::kKContiguous ? op.at(m + r, k) : op.at(m, k + r);
-#if FLASHV100_SM80
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-    if constexpr (Op::kKContiguous) {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
-    } else {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
-    }
-#else
-    (void)row;
-    __trap();
-#endif
+    ldmatrix_x4<!Op::kKContiguous>(Op::kKContiguous ? op.at(m + r, k) : op.at(m, k + r), a[0],
+                                   a[1], a[2], a[3]);
   }
   // The B fragment of the 8(n) x 16(k) block at (n0, k0): two 8x8 matrices (k 0-7 / 8-15).
   template <class Op>
   static __device__ __forceinline__ void load_b(const Op& op, int n0, int k0, int lane,
                                                 uint32_t (&b)[kBRegs]) {
     const int q = (lane >> 3) & 1, r = lane & 7;
-    const uint16_t* row = Op::kKContiguous ? op.at(n0 + r, k0 + 8 * q) : op.at(n0, k0 + 8 * q + r);
-#if FLASHV100_SM80
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-    if constexpr (Op::kKContiguous) {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                   : "=r"(b[0]), "=r"(b[1]) : "r"(addr));
-    } else {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                   : "=r"(b[0]), "=r"(b[1]) : "r"(addr));
-    }
-#else
-    (void)row;
-    __trap();
-#endif
+    ldmatrix_x2<!Op::kKContiguous>(
+        Op::kKContiguous ? op.at(n0 + r, k0 + 8 * q) : op.at(n0, k0 + 8 * q + r), b[0], b[1]);
   }
-
   // The B fragments of the two 8(n) x 16(k) blocks at (n0, k0) and (n0 + 8, k0): four 8x8
   // matrices (n block 0 / 1 x k 0-7 / 8-15), one instruction instead of two load_b.
   template <class Op>
@@ -160,20 +172,8 @@ struct AmpereAtom {
                                                      uint32_t (&b1)[kBRegs]) {
     const int q = lane >> 3, r = lane & 7;
     const int n = n0 + 8 * (q >> 1), k = k0 + 8 * (q & 1);
-    const uint16_t* row = Op::kKContiguous ? op.at(n + r, k) : op.at(n, k + r);
-#if FLASHV100_SM80
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-    if constexpr (Op::kKContiguous) {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1]) : "r"(addr));
-    } else {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1]) : "r"(addr));
-    }
-#else
-    (void)row;
-    __trap();
-#endif
+    ldmatrix_x4<!Op::kKContiguous>(Op::kKContiguous ? op.at(n + r, k) : op.at(n, k + r), b0[0],
+                                   b0[1], b1[0], b1[1]);
   }
 
   template <class Elem>
