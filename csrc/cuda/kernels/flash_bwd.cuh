@@ -414,30 +414,28 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   using QAcc = typename DqWs::Acc;
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
 
-  // Steps: the query tiles that can see this key tile (its causal/window band), for each query
-  // head of the GQA group.
+  // Steps: the query tiles that can see this key tile (its causal/window band), head by head over
+  // the GQA group; heads whose padding mask drops every key of this tile are skipped whole. The
+  // walk advances by increments: a division per step cost more than its step's bookkeeping.
   const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
   const int row_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
-  const int tiles_per_head = max(0, (row_end - row_begin + kBlockM - 1) / kBlockM);
-  const int steps = tiles_per_head * static_cast<int>(group);
-  const auto head_of = [&](int step) { return hk * group + step / tiles_per_head; };
-  const auto row_of = [&](int step) { return row_begin + (step % tiles_per_head) * kBlockM; };
-  // Heads whose padding mask drops every key of this tile are skipped whole.
-  const auto first_active = [&](int step) {
-    while (step < steps &&
-           n0 >= HeadMask(f.mask, b, head_of(step), f.shape.heads_q).key_end)
-      step = (step / tiles_per_head + 1) * tiles_per_head;
-    return step;
+  const int head_end = static_cast<int>((hk + 1) * group);
+  const auto active_head = [&](int h) {
+    while (h < head_end && n0 >= HeadMask(f.mask, b, h, f.shape.heads_q).key_end) ++h;
+    return h;
   };
-  int step = first_active(0);
+  int h = row_begin < row_end ? active_head(static_cast<int>(hk * group)) : head_end;
+  int m0 = row_begin;
   QueryRowVectors<Cfg> rows;
-  if (step < steps) {
-    load_query_side<Atom>(sm, rows, p, dsum, seq, b, head_of(step), row_of(step), tid);
+  if (h < head_end) {
+    load_query_side<Atom>(sm, rows, p, dsum, seq, b, h, m0, tid);
   }
-  for (int next; step < steps; step = next) {
-    next = first_active(step + 1);
-    const int64_t h = head_of(step);
-    const int m0 = row_of(step);
+  while (h < head_end) {
+    int next_h = h, next_m0 = m0 + kBlockM;
+    if (next_m0 >= row_end) {
+      next_h = active_head(h + 1);
+      next_m0 = row_begin;
+    }
     const BwdHead head(p, seq, b, h);
     cp_async_wait_all();
     rows.commit(sm, tid);
@@ -452,8 +450,8 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
                                    MMajor{sm.q + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
     // The next step's query side loads while dQ = dS K is computed (it reads only dS and K).
     __syncthreads();
-    if (next < steps) {
-      load_query_side<Atom>(sm, rows, p, dsum, seq, b, head_of(next), row_of(next), tid);
+    if (next_h < head_end) {
+      load_query_side<Atom>(sm, rows, p, dsum, seq, b, next_h, next_m0, tid);
     }
     if (dq_accum != nullptr) {
       for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
@@ -479,6 +477,8 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
         }
       }
     }
+    h = next_h;
+    m0 = next_m0;
   }
   cp_async_wait_all();  // K and V when no query tile sees this key tile
 
