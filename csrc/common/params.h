@@ -145,6 +145,20 @@ struct SplitKVParams {
   float* lse_accum = nullptr;
 };
 
+// New key/value rows that the forward kernel writes into the KV cache itself, before attending
+// (run_kvcache_forward: where each (sequence, KV head) has one query tile of the decode tile and
+// no rotary embedding is asked for): row i of k / v [B, seqlen_new, Hkv, D] at cache row
+// seqlens[b] + i of k_cache / v_cache (ForwardParams k / v; kv_row_offset). Each block writes the
+// rows of its own share of the keys (the first share also those before the band, the last those
+// past it) and reads them back after a barrier: no other block reads them.
+struct KVNewRows {
+  const void* k = nullptr;  // nullptr: nothing to append in the kernel
+  const void* v = nullptr;
+  TensorStrides k_strides, v_strides;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+};
+
 struct ForwardParams {
   AttentionShape shape;
   const void* q = nullptr;
@@ -162,6 +176,7 @@ struct ForwardParams {
   MaskParams mask;
   DropoutParams dropout;
   KVCacheParams kvcache;
+  KVNewRows append;
   SplitKVParams split;
 };
 

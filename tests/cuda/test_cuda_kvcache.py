@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache on CUDA against the fp64 reference, on both tensor-core atoms (the Volta
 mma.m8n8k4 atom forced, emulated on newer GPUs, and the native one): contiguous and paged caches
 (page sizes 16..256), cache lengths 0 to full, left padding, batch permutations, GQA 1/4/8 (the
-seqlen_q * ngroups view for decoding), seqlen_q 1..300, rotary (both styles, rotary_dim < D),
+seqlen_q * ngroups view for decoding), seqlen_q 1..300, more new rows than query rows (appended
+by the forward kernel itself, across split shares), rotary (both styles, rotary_dim < D),
 causal/window/ALiBi/softcap, split-KV forced (1, 3, 7) and chosen (0); the whole caches after the
 in-place append; bad index values; a decode step captured once in a CUDA graph and replayed with
 new cache_seqlens values.
@@ -59,6 +60,19 @@ def test_query_lengths(atom, dtype, seqlen_q, seqlen_new, page_size):
     check_case(Case(batch=2, heads_q=8, heads_kv=2, dim=64, seqlen_q=seqlen_q,
                     seqlen_new=seqlen_new, capacity=960, page_size=page_size, causal=True,
                     leftpad=[0, 13], num_splits=3), dtype, "cuda")
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "p16"])
+@pytest.mark.parametrize("heads_q,window", [(8, (-1, -1)), (2, (3, 0))], ids=["gqa4", "mha_window"])
+def test_new_rows_across_key_shares(atom, page_size, num_splits, heads_q, window):
+    """Where the forward kernel appends the new rows itself (one query tile per KV head, no
+    rotary): more new rows than query rows, over several key tiles and split shares, some outside
+    the query's window, after left padding; the whole caches are compared."""
+    check_case(Case(batch=3, heads_q=heads_q, heads_kv=2, dim=128, seqlen_q=1, seqlen_new=100,
+                    capacity=512, page_size=page_size, seqlens=[0, 150, "full"],
+                    leftpad=[0, 7, 30], window_size=window, num_splits=num_splits),
+               torch.float16, "cuda")
 
 
 def test_split_counts_agree(atom):

@@ -299,12 +299,15 @@ std::tuple<at::Tensor, at::Tensor> kvcache_forward_cuda(
               ", k_cache ", k_cache.sizes(), "); fp16 (and bf16 on sm_80+) with head dims that "
               "are multiples of 8 up to 256 and 16-byte aligned rows are supported");
   const at::Tensor q_rotated = rotary_cos.has_value() ? at::empty_like(q) : at::Tensor();
-  run_kvcache_append(q.scalar_type(), make_kvcache_append_params(args, q_rotated));
-  if (q.numel() == 0) return {out, lse};
+  const KVAppendParams append = make_kvcache_append_params(args, q_rotated);
+  if (q.numel() == 0) {
+    run_kvcache_append(q.scalar_type(), append);
+    return {out, lse};
+  }
   ForwardParams params =
       make_kvcache_forward_params(args, q_rotated.defined() ? q_rotated : q, out, lse);
   debug_log(op, mma_atom_name(atom), args.paged() ? "paged" : nullptr);
-  run_kvcache_forward(atom, q.scalar_type(), params, num_splits, q);
+  run_kvcache_forward(atom, q.scalar_type(), params, append, num_splits, q);
   return {out, lse};
 }
 

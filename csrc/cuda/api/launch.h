@@ -52,12 +52,13 @@ template <int kBucket>
 void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p,
                               float* dsum);
 
-// flash_attn_with_kvcache: the rotary/append step (KVAppendParams), then the forward over the
-// updated cache with num_splits split-KV shares (0: FlashAttention-2's heuristic from the SM
-// count; 1: none) and, when split, the combine. `like`: a tensor on the device (for buffers).
+// flash_attn_with_kvcache: the rotary/append step (KVAppendParams; run_kvcache_forward's own
+// or in the forward kernel, KVNewRows), then the forward over the updated cache with num_splits
+// split-KV shares (0: FlashAttention-2's heuristic from the SM count; 1: none) and, when split,
+// the combine. `like`: a tensor on the device (for buffers).
 void run_kvcache_append(at::ScalarType dtype, const KVAppendParams& append);
-void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p, int64_t num_splits,
-                         const at::Tensor& like);
+void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
+                         const KVAppendParams& append, int64_t num_splits, const at::Tensor& like);
 // FlashAttention-2's split count: wave efficiency of batch_heads_mblocks * splits blocks on
 // num_sms slots, shares of num_n_blocks key blocks, at most max_splits.
 int num_splits_heuristic(int64_t batch_heads_mblocks, int64_t num_sms, int64_t num_n_blocks,

@@ -66,9 +66,31 @@ void run_kvcache_append(at::ScalarType dtype, const KVAppendParams& a) {
   });
 }
 
+namespace {
+
+// The forward kernel appends the new rows itself (KVNewRows; a launch fewer per decode step) where
+// each (sequence, KV head) is one block per key share: one query tile of the decode tile per KV
+// head (GQA packed into rows, or Hq = Hkv) and no rotary (q takes the append kernel's pass).
+bool appends_in_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p,
+                        const KVAppendParams& append) {
+  if (append.k_new == nullptr || append.q_rotated != nullptr || !uses_decode_tile(atom, p))
+    return false;
+  return p.shape.heads_q == p.shape.heads_kv &&
+         p.shape.len_q <= fused_forward_tiling(atom, dtype, p).block_m;
+}
+
+}  // namespace
+
 void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
-                         int64_t num_splits, const at::Tensor& like) {
+                         const KVAppendParams& append, int64_t num_splits,
+                         const at::Tensor& like) {
   const AttentionShape& sh = p.shape;
+  if (appends_in_forward(atom, dtype, p, append)) {
+    p.append = KVNewRows{append.k_new,           append.v_new,   append.k_new_strides,
+                         append.v_new_strides,   append.k_cache, append.v_cache};
+  } else {
+    run_kvcache_append(dtype, append);
+  }
   if (num_splits == 0) {
     // FlashAttention-2's heuristic over the tile that runs: its query blocks, its key tiles, and
     // as many slots per SM as blocks of it fit there, at most two. The decode tile fits three,

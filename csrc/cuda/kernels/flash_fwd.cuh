@@ -16,10 +16,12 @@
 // of the block's rows reaches are loaded and multiplied. KV caches (KVCacheParams): a sequence's
 // rows of a batch-indexed cache, or of pages (kPaged: rows addressed through the block table, one
 // index read per row of a tile). Split-KV (SplitKVParams): blockIdx.z takes its share of the key
-// tiles and writes a normalized fp32 partial out and its lse for the combine kernel.
+// tiles and writes a normalized fp32 partial out and its lse for the combine kernel. The decode
+// tile may append the step's new K/V rows to the cache first (KVNewRows).
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
+#include "cuda/kernels/kvcache.cuh"
 #include "cuda/kernels/tile_io.cuh"
 
 namespace flashv100 {
@@ -123,6 +125,15 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
           dst, kLdV, v_head + n0 * p.v_strides.row, p.v_strides.row, vis.len_kv - n0, d, tid);
     }
   };
+  if constexpr (kShape == FwdShape::kDecode) {
+    if (p.append.k != nullptr) {  // this block's share of the new rows (KVNewRows)
+      const bool first = blockIdx.z == 0, last = blockIdx.z + 1 == gridDim.z;
+      append_new_rows<kThreads>(p, seq, b, hk,
+                                first ? static_cast<int>(seq.len_kv - cache.seqlen_new) : key_begin,
+                                last ? static_cast<int>(seq.len_kv) : key_end, tid);
+      __syncthreads();  // written before this block's loads read them back
+    }
+  }
   stage_tile<Atom, kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK,
                                                 head_ptr(p.q, p.q_strides, b, h, seq.q_start + m0),
                                                 p.q_strides.row, vis.len_q - m0, d, tid);

@@ -1,7 +1,8 @@
 // The KV-cache kernels around the forward kernel (flash_attn_with_kvcache): the append step
 // before it (rotary embedding of q and of the new keys, new rows written into the cache,
 // KVAppendParams) and the split-KV combine after it (SplitKVParams). Both are memory-bound and
-// small next to the attention: one thread per element, one warp per query row.
+// small next to the attention: one thread per element, one warp per query row. Where the forward
+// kernel appends the new rows itself (KVNewRows), append_new_rows is its step.
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
@@ -61,6 +62,33 @@ __global__ void __launch_bounds__(kAppendThreads) kvcache_append_kernel(const KV
   } else {
     static_cast<uint16_t*>(a.v_cache)[kv_row_offset(c, a.v_cache_strides, b, h, row) + e] =
         head_ptr(a.v_new, a.v_new_strides, b, h, i)[e];
+  }
+}
+
+// The forward kernel's append (KVNewRows): the new rows of KV head hk of sequence b whose keys
+// lie in [key_lo, key_hi) (sequence coordinates: key j is cache row seq.k_start + j), copied into
+// the cache row by row by kThreads threads.
+template <int kThreads>
+__device__ __forceinline__ void append_new_rows(const ForwardParams& p, const SequenceSpan& seq,
+                                                int64_t b, int64_t hk, int key_lo, int key_hi,
+                                                int tid) {
+  const KVNewRows& a = p.append;
+  const KVCacheParams& c = p.kvcache;
+  const int first_new = static_cast<int>(seq.len_kv - c.seqlen_new);
+  const int hi = min(key_hi, static_cast<int>(seq.len_kv));
+#pragma unroll 1
+  for (int j = max(key_lo, first_new); j < hi; ++j) {
+    const int64_t row = seq.k_start + j;
+    uint16_t* const k_dst =
+        static_cast<uint16_t*>(a.k_cache) + kv_row_offset(c, p.k_strides, b, hk, row);
+    uint16_t* const v_dst =
+        static_cast<uint16_t*>(a.v_cache) + kv_row_offset(c, p.v_strides, b, hk, row);
+    const uint16_t* const k_src = head_ptr(a.k, a.k_strides, b, hk, j - first_new);
+    const uint16_t* const v_src = head_ptr(a.v, a.v_strides, b, hk, j - first_new);
+#pragma unroll 1
+    for (int e = tid; e < p.shape.head_dim; e += kThreads) k_dst[e] = k_src[e];
+#pragma unroll 1
+    for (int e = tid; e < p.shape.head_dim_v; e += kThreads) v_dst[e] = v_src[e];
   }
 }
 
