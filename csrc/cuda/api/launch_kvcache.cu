@@ -70,10 +70,12 @@ namespace {
 
 // The forward kernel appends the new rows itself (KVNewRows; a launch fewer per decode step) where
 // each (sequence, KV head) is one block per key share: one query tile of the decode tile per KV
-// head (GQA packed into rows, or Hq = Hkv) and no rotary (q takes the append kernel's pass).
+// head (GQA packed into rows, or Hq = Hkv), a head dim it appends at, and no rotary (q takes the
+// append kernel's pass).
 bool appends_in_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p,
                         const KVAppendParams& append) {
-  if (append.k_new == nullptr || append.q_rotated != nullptr || !uses_decode_tile(atom, p))
+  if (append.k_new == nullptr || append.q_rotated != nullptr || !uses_decode_tile(atom, p) ||
+      !kern::decode_tile_appends(kern::head_dim_bucket(static_cast<int>(p.shape.head_dim))))
     return false;
   return p.shape.heads_q == p.shape.heads_kv &&
          p.shape.len_q <= fused_forward_tiling(atom, dtype, p).block_m;

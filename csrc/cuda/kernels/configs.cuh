@@ -77,6 +77,12 @@ constexpr __host__ __device__ bool has_decode_tile(int head_dim_bucket) {
   return !(Atom::kNativeArch < 800 && head_dim_bucket == 256);
 }
 
+// The decode tile appends a step's new K/V rows itself (KVNewRows) up to head dim 128; at 256 the
+// general paged kernel would spill on sm_80 (scripts/nvrtc_gate.py) and the append kernel runs.
+constexpr __host__ __device__ bool decode_tile_appends(int head_dim_bucket) {
+  return head_dim_bucket <= 128;
+}
+
 // Decode up to head dim 128: the 16 rows of a tile are every warp's; warp w takes keys
 // [w * kWarpKeys, ...) of each key tile with a running max, sum and O of its own, merged through
 // shared memory at the end (flash_fwd.cuh). Decoding has 1-16 rows per tile: split by rows, warps past the

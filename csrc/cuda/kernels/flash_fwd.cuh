@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
           dst, kLdV, v_head + n0 * p.v_strides.row, p.v_strides.row, vis.len_kv - n0, d, tid);
     }
   };
-  if constexpr (kShape == FwdShape::kDecode) {
+  if constexpr (kShape == FwdShape::kDecode && decode_tile_appends(kHeadDim)) {
     if (p.append.k != nullptr) {  // this block's share of the new rows (KVNewRows)
       const bool first = blockIdx.z == 0, last = blockIdx.z + 1 == gridDim.z;
       append_new_rows<kThreads>(p, seq, b, hk,
