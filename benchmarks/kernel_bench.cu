@@ -1,8 +1,9 @@
 // Kernel-level timing of the fused attention kernels, without PyTorch: the forward and the backward
-// (dK/dV with dQ by atomics) of each kernel variant (plain, mask, dropout, mask + dropout; the
-// mask variants run without a mask, i.e. they time the general score math alone), Ampere atom,
-// fp16, CUDA-event medians. Inputs are random; outputs are not checked (the tests do that). It
-// builds in seconds against a source tree, so kernel changes can be compared side by side:
+// (the D pre-pass, which also zeroes the dQ workspace, then dK/dV with dQ by atomics) of each
+// kernel variant (plain, mask, dropout, mask + dropout; the mask variants run without a mask,
+// i.e. they time the general score math alone), Ampere atom, fp16, CUDA-event medians. Inputs are
+// random; outputs are not checked (the tests do that). It builds in seconds against a source
+// tree, so kernel changes can be compared side by side:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc \
 //       -o kernel_bench benchmarks/kernel_bench.cu
@@ -135,15 +136,16 @@ void run(int batch, int heads, int len) {
     bp.row_base = row_vectors + rows;
     bp.row_log2_norm = row_vectors + 2 * rows;
   }
-  const int64_t dq_floats = DqWs::floats(batch * heads, len);
-  float* dq_accum = buf.alloc<float>(dq_floats);
-  flash_bwd_dsum_kernel<Fp16, is_general(V)><<<(rows + 3) / 4, 128>>>(bp, row_vectors);
+  float* dq_accum = buf.alloc<float>(DqWs::floats(batch * heads, len));
+  const DqWorkspaceRows dq_ws = DqWs::rows(dq_accum, len);
+  const auto dsum = flash_bwd_dsum_kernel<Fp16, is_general(V)>;
+  const int64_t dsum_blocks = (batch * heads * dq_ws.padded_len_q + 3) / 4;
   const auto dkdv = flash_bwd_dkdv_kernel<AmpereAtom, Fp16, E, V>;
   CHECK_CUDA(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   BCfg::kSmemBytes));
   const dim3 bwd_grid((len + BCfg::kBlockN - 1) / BCfg::kBlockN, batch * heads);
   const float bwd_ms = median_ms([&] {
-    CHECK_CUDA(cudaMemsetAsync(dq_accum, 0, dq_floats * sizeof(float)));
+    dsum<<<dsum_blocks, 128>>>(bp, row_vectors, dq_ws);  // also zeroes the dQ workspace
     dkdv<<<bwd_grid, BCfg::kThreads, BCfg::kSmemBytes>>>(bp, row_vectors, dq_accum);
   });
 

@@ -1,5 +1,6 @@
 // The flashv100 operator library: schemas and the public composite op. Device kernels register
-// themselves in cpu/ and cuda/; fake kernels and autograd live in torch_flash_v100/_ops.py.
+// themselves in cpu/ and cuda/, the forward's autograd in autograd.cpp; fake kernels and the other
+// autograd formulas live in torch_flash_v100/_ops.py and _flash_ops.py.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1,10 +1,10 @@
 """Python-side registration of the flashv100 ops: fake (meta) kernels and autograd.
 
 The schemas and the device kernels are registered in C++ (csrc/ops.cpp, csrc/cpu, csrc/cuda).
-The public op ``flashv100::attention`` is a composite over ``flashv100::_attention_forward``;
-autograd is defined on the latter, and its backward is ``flashv100::_attention_backward``, whose
-own autograd formula (double backward: gradient penalties, Hessian-vector products) differentiates
-the reference math twice. The FlashAttention-2 ops ``_flash_forward`` / ``_flash_backward`` have
+The public op ``flashv100::attention`` is a composite over ``flashv100::_attention_forward``,
+whose autograd formula is in C++ (csrc/autograd.cpp: no Python frame per step) and calls
+``flashv100::_attention_backward``. The latter's own autograd formula is here (double backward:
+gradient penalties, Hessian-vector products): it differentiates the reference math twice. The FlashAttention-2 ops ``_flash_forward`` / ``_flash_backward`` have
 their fake kernels here and their autograd in ``_flash_ops``.
 """
 
@@ -81,33 +81,6 @@ def _kvcache_forward_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
 @torch.library.register_fake("flashv100::_dropout_mask")
 def _dropout_mask_fake(rng_state, batch, heads, len_q, len_kv, dropout_p):
     return rng_state.new_empty((batch, heads, len_q, len_kv), dtype=torch.bool)
-
-
-def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, causal_mode, scale = inputs
-    out, lse, rng_state = output
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng_state)
-    ctx.dropout_p = dropout_p
-    ctx.causal_mode = causal_mode
-    ctx.scale = scale
-    ctx.mask_requires_grad = (attn_mask is not None and attn_mask.is_floating_point()
-                              and ctx.needs_input_grad[3])
-
-
-def _backward(ctx, grad_out, _grad_lse, _grad_rng_state):
-    query, key, value, attn_mask, out, lse, rng_state = ctx.saved_tensors
-    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum()
-        grad_out = grad_out.contiguous()
-    grad_query, grad_key, grad_value, grad_mask = _lib_ops._attention_backward(
-        grad_out, query, key, value, attn_mask, out, lse, rng_state, ctx.dropout_p,
-        ctx.causal_mode, ctx.scale, ctx.mask_requires_grad,
-        torch.are_deterministic_algorithms_enabled())
-    return (grad_query, grad_key, grad_value, grad_mask if ctx.mask_requires_grad else None,
-            None, None, None)
-
-
-torch.library.register_autograd(
-    "flashv100::_attention_forward", _backward, setup_context=_setup_context)
 
 
 def _setup_double_backward(ctx, inputs, output):

@@ -21,7 +21,6 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
   const AttentionShape& s = p.fwd.shape;
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
                                                                  c10::cuda::current_device());
-  const int64_t rows = s.batch * s.heads_q * s.len_q;
   dispatch_head_dim<kBucket>(atom, dtype, variant_of(p.fwd),
                             [&](auto atom_tag, auto elem_tag, auto dim, auto variant_tag) {
     using Atom = decltype(atom_tag);
@@ -31,11 +30,16 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
     constexpr bool G = kern::is_general(V);
     using Cfg = kern::BwdConfig<Atom, D, V>;
     using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
+    // The atomic path's dQ workspace, zeroed by the D pre-pass (one warp per padded row).
     at::Tensor dq_accum;
+    kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
     if (!p.deterministic) {
-      dq_accum = at::zeros({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
+      dq_accum = at::empty({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
+      dq_ws = DqWorkspace::rows(dq_accum.data_ptr<float>(), s.len_q);
     }
-    kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(rows, 4), 128, 0, stream>>>(p, dsum);
+    const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
+    kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(p, dsum,
+                                                                                      dq_ws);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V>;

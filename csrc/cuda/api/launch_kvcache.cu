@@ -72,13 +72,12 @@ namespace {
 // each (sequence, KV head) is one block per key share: one query tile of the decode tile per KV
 // head (GQA packed into rows, or Hq = Hkv), a head dim it appends at, and no rotary (q takes the
 // append kernel's pass).
-bool appends_in_forward(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p,
+bool appends_in_forward(MmaAtom atom, const ForwardParams& p, const ForwardTiling& tile,
                         const KVAppendParams& append) {
   if (append.k_new == nullptr || append.q_rotated != nullptr || !uses_decode_tile(atom, p) ||
       !kern::decode_tile_appends(kern::head_dim_bucket(static_cast<int>(p.shape.head_dim))))
     return false;
-  return p.shape.heads_q == p.shape.heads_kv &&
-         p.shape.len_q <= fused_forward_tiling(atom, dtype, p).block_m;
+  return p.shape.heads_q == p.shape.heads_kv && p.shape.len_q <= tile.block_m;
 }
 
 }  // namespace
@@ -87,7 +86,8 @@ void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
                          const KVAppendParams& append, int64_t num_splits,
                          const at::Tensor& like) {
   const AttentionShape& sh = p.shape;
-  if (appends_in_forward(atom, dtype, p, append)) {
+  const ForwardTiling tile = fused_forward_tiling(atom, dtype, p);
+  if (appends_in_forward(atom, p, tile, append)) {
     p.append = KVNewRows{append.k_new,           append.v_new,   append.k_new_strides,
                          append.v_new_strides,   append.k_cache, append.v_cache};
   } else {
@@ -99,7 +99,6 @@ void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
     // but a one-wave grid sized to three slots per SM leaves SMs unevenly loaded (B = 1, 32/8
     // heads: 43 splits = 344 blocks on 132 SMs), and this memory-bound step waits for the most
     // loaded ones: 33 splits ran 5-6% faster at 64k-128k keys on the H200.
-    const ForwardTiling tile = fused_forward_tiling(atom, dtype, p);
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
                                           c10::cuda::current_device()));

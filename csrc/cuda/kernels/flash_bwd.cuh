@@ -309,17 +309,35 @@ __device__ __forceinline__ void recount_saturated_row(const BackwardParams& p, i
   log2_norm = -log2f(sum);
 }
 
-// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32: one warp per row. The general variant also
+// The atomic path's dQ workspace (DqWorkspace below) as rows of `row_floats` floats,
+// `padded_len_q` per (batch, head): the D pre-pass zeroes it, so it needs no fill launch of its
+// own (as FlashAttention-2 does). `floats` is null in the deterministic path.
+struct DqWorkspaceRows {
+  float* floats;
+  int64_t padded_len_q;
+  int row_floats;
+};
+
+// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32: one warp per row, padded to the dQ workspace's
+// rows when there is one (each warp zeroes its workspace row). The general variant also
 // writes the row's P base and log2 normalizer (p.row_base, p.row_log2_norm): lse and 0, or
 // recounted for rows with finite |lse| >= 2^16 whose dO is not 0 (with dO = 0, P does not reach
 // any gradient). The plain variant's scores are never biased that far: it skips all of that.
 template <class Elem, bool kGeneral>
-__global__ void __launch_bounds__(128) flash_bwd_dsum_kernel(const BackwardParams p, float* dsum) {
+__global__ void __launch_bounds__(128)
+    flash_bwd_dsum_kernel(const BackwardParams p, float* dsum, const DqWorkspaceRows dq_ws) {
   const ForwardParams& f = p.fwd;
   const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
-  if (row >= f.shape.batch * f.shape.heads_q * f.shape.len_q) return;
-  const int64_t bh = row / f.shape.len_q, i = row % f.shape.len_q;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  const int64_t padded_len_q = dq_ws.floats != nullptr ? dq_ws.padded_len_q : f.shape.len_q;
+  const int64_t bh = slot / padded_len_q, i = slot % padded_len_q;
+  if (bh >= f.shape.batch * f.shape.heads_q) return;
+  if (dq_ws.floats != nullptr) {
+    float4* ws_row = reinterpret_cast<float4*>(dq_ws.floats + slot * dq_ws.row_floats);
+    for (int c = lane; c < dq_ws.row_floats / 4; c += 32) ws_row[c] = make_float4(0, 0, 0, 0);
+  }
+  if (i >= f.shape.len_q) return;
+  const int64_t row = bh * f.shape.len_q + i;
   const int64_t b = bh / f.shape.heads_q, h = bh % f.shape.heads_q;
   const SequenceSpan seq = batch_span(f, b);
   if (i >= seq.len_q) return;  // past this sequence's end (varlen)
@@ -355,6 +373,9 @@ struct DqWorkspace {
   }
   static __host__ __device__ int64_t floats(int64_t batch_heads, int64_t len_q) {
     return batch_heads * query_tiles(len_q) * kTileFloats;
+  }
+  static __host__ DqWorkspaceRows rows(float* ws, int64_t len_q) {
+    return {ws, query_tiles(len_q) * Cfg::kBlockM, Cfg::kHeadDim};
   }
   // The registers of `warp` for query tile m0 / kBlockM and head-dim chunk `chunk`.
   template <class Float>

@@ -52,8 +52,10 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_AMPERE_BF16(D) \
   FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Bf16, D) FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Bf16, D)
 
-template __global__ void flash_bwd_dsum_kernel<Fp16, false>(const BackwardParams, float*);
-template __global__ void flash_bwd_dsum_kernel<Fp16, true>(const BackwardParams, float*);
+template __global__ void flash_bwd_dsum_kernel<Fp16, false>(const BackwardParams, float*,
+                                                            const DqWorkspaceRows);
+template __global__ void flash_bwd_dsum_kernel<Fp16, true>(const BackwardParams, float*,
+                                                            const DqWorkspaceRows);
 template __global__ void kvcache_append_kernel<Fp16>(const KVAppendParams);
 template __global__ void split_kv_combine_kernel<Fp16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_VOLTA_FP16)
@@ -63,8 +65,10 @@ FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(128)
 
 // The launcher picks the Ampere atom (and allows bf16) only on sm_80 and newer.
 #if __CUDA_ARCH__ >= 800
-template __global__ void flash_bwd_dsum_kernel<Bf16, false>(const BackwardParams, float*);
-template __global__ void flash_bwd_dsum_kernel<Bf16, true>(const BackwardParams, float*);
+template __global__ void flash_bwd_dsum_kernel<Bf16, false>(const BackwardParams, float*,
+                                                            const DqWorkspaceRows);
+template __global__ void flash_bwd_dsum_kernel<Bf16, true>(const BackwardParams, float*,
+                                                            const DqWorkspaceRows);
 template __global__ void kvcache_append_kernel<Bf16>(const KVAppendParams);
 template __global__ void split_kv_combine_kernel<Bf16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
