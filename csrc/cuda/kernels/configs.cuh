@@ -66,11 +66,13 @@ struct FwdTile {
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
   // (scripts/nvrtc_gate.py).
   static constexpr int kBlockN = kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16;
-  // K/V buffers (flash_fwd.cuh). One: V loads during S and the next K during P.V (Volta). Two
-  // where copies are asynchronous: the next tile's K and V load during this whole tile, one block
-  // barrier a tile; 1-4% faster forward on the H200 (kernel_bench: 2.1-2.6% at head dim 128 and
-  // 4k-8k keys, 3-4% at 512, 1% at head dim 64). sm_80+ only: Volta copies through registers.
-  static constexpr int kKVStages = Atom::kAsyncCopy ? 2 : 1;
+  // K/V buffers (flash_fwd.cuh). One: V loads during S and the next K during P.V. Two (cp.async
+  // only) in the wide head-dim-128 tile: the next tile's K and V load during this whole tile, one
+  // block barrier a tile; its forward ran 2-4% faster on the H200 (kernel_bench: 2.1-2.6% at
+  // 4k-8k keys, 3-4% at 512) at 68 KB of shared memory, still one block per SM on a 100 KB SM
+  // (sm_86/89), as at 51 KB. Elsewhere a second buffer gained 1% (head dim 64) and would halve
+  // the blocks per SM there.
+  static constexpr int kKVStages = Atom::kAsyncCopy && kWide && kHeadDim == 128 ? 2 : 1;
 };
 
 // The Volta atom's decode tile at head dim 256 would spill (its B fragments and transposed V

@@ -374,7 +374,7 @@ struct DqWorkspace {
   static __host__ __device__ int64_t floats(int64_t batch_heads, int64_t len_q) {
     return batch_heads * query_tiles(len_q) * kTileFloats;
   }
-  static __host__ DqWorkspaceRows rows(float* ws, int64_t len_q) {
+  static __host__ __device__ DqWorkspaceRows rows(float* ws, int64_t len_q) {
     return {ws, query_tiles(len_q) * Cfg::kBlockM, Cfg::kHeadDim};
   }
   // The registers of `warp` for query tile m0 / kBlockM and head-dim chunk `chunk`.
