@@ -69,8 +69,10 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       std::tie(out, lse, rng_state) =
           op.call(query, key, value, attn_mask, dropout_p, causal_mode, scale);
     }
-    // lse and rng_state are returned for the backward, not as differentiable results.
+    // lse and rng_state are returned for the backward, not as differentiable results; their
+    // absent gradients stay undefined (materializing them would cost two fill launches a step).
     ctx->mark_non_differentiable({lse, rng_state});
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse,
                             rng_state});
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -84,6 +86,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("flashv100::_attention_backward", "")
                          .typed<BackwardOp>();
+    if (!grads[0].defined()) return variable_list(7);  // out took no gradient: all zero
     const variable_list saved = ctx->get_saved_variables();
     const bool mask_requires_grad = ctx->saved_data["mask_requires_grad"].toBool();
     at::Tensor grad_out = grads[0];
@@ -127,6 +130,7 @@ struct FlashFunction : public torch::autograd::Function<FlashFunction> {
                   alibi_slopes);
     }
     ctx->mark_non_differentiable({lse, rng_state});
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({query, key, value, out, lse, rng_state,
                             cu_seqlens_q.value_or(at::Tensor()),
                             cu_seqlens_k.value_or(at::Tensor()),
@@ -146,6 +150,7 @@ struct FlashFunction : public torch::autograd::Function<FlashFunction> {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("flashv100::_flash_backward", "")
                          .typed<FlashBackwardOp>();
+    if (!grads[0].defined()) return variable_list(14);  // out took no gradient: all zero
     const variable_list saved = ctx->get_saved_variables();
     auto& data = ctx->saved_data;
     // The kernels read rows of grad_out (the expanded gradient of out.sum() has stride 0).

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
@@ -50,6 +51,15 @@ MmaAtom atom_of(const at::Tensor& t) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, t.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, t.get_device()));
   return mma_atom_for(major, minor);
+}
+
+// The rng_state [seed, offset] of a forward without dropout: zeros, by a memset (an ATen fill
+// costs several times its host time, and a small attention is host bound).
+at::Tensor zero_rng_state(const at::Tensor& like) {
+  at::Tensor state = at::empty({2}, like.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(state.data_ptr(), 0, state.nbytes(),
+                                 c10::cuda::getCurrentCUDAStream()));
+  return state;
 }
 
 // The internal attention ops' [B, H, L, E] problem.
@@ -133,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   ForwardParams params = make_forward_params(query, key, value, attn_mask, out, lse, scale,
                                              causal_mode, dropout_p);
   at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query, params.dropout)
-                                         : at::zeros({2}, query.options().dtype(at::kLong));
+                                         : zero_rng_state(query);
   const MmaAtom atom = atom_of(query);
   const char* reason = fused_unsupported_reason(atom, attention_problem(query, key, value),
                                                 {&query, &key, &value, &out});
@@ -209,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_cuda(
   at::Tensor lse = allocate_flash_lse(args);
   ForwardParams params = make_flash_forward_params(args, out, lse);
   at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query, params.dropout)
-                                         : at::zeros({2}, query.options().dtype(at::kLong));
+                                         : zero_rng_state(query);
   if (flash_has_no_query(args)) return {out, lse, rng_state};
   if (flash_has_no_key(args)) {
     debug_log(op, "no key", nullptr);

@@ -67,12 +67,12 @@ struct FwdTile {
   // (scripts/nvrtc_gate.py).
   static constexpr int kBlockN = kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16;
   // K/V buffers (flash_fwd.cuh). One: V loads during S and the next K during P.V. Two (cp.async
-  // only) in the wide head-dim-128 tile: the next tile's K and V load during this whole tile, one
-  // block barrier a tile; its forward ran 2-4% faster on the H200 (kernel_bench: 2.1-2.6% at
-  // 4k-8k keys, 3-4% at 512) at 68 KB of shared memory, still one block per SM on a 100 KB SM
-  // (sm_86/89), as at 51 KB. Elsewhere a second buffer gained 1% (head dim 64) and would halve
-  // the blocks per SM there.
-  static constexpr int kKVStages = Atom::kAsyncCopy && kWide && kHeadDim == 128 ? 2 : 1;
+  // only) at head dim 128: the next tile's K and V load during this whole tile, one block barrier
+  // a tile. Forward on the H200 (kernel_bench, 4k and 512 keys): plain 2-4%, mask 22-23%,
+  // dropout 3-5%, mask + dropout 14-19% faster; at head dim 64 none (mask + dropout 1.5% slower).
+  // Shared memory 51 -> 68 KB (plain), 34 -> 51 KB (others): on a 100 KB SM (sm_86/89) the
+  // latter fit one block per SM instead of two (no such GPU measured).
+  static constexpr int kKVStages = Atom::kAsyncCopy && kHeadDim == 128 ? 2 : 1;
 };
 
 // The Volta atom's decode tile at head dim 256 would spill (its B fragments and transposed V
