@@ -8,12 +8,19 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc \
 //       -o kernel_bench benchmarks/kernel_bench.cu
 //   ./kernel_bench B H L E            (E = 64 or 128; e.g. 16 32 1024 64)
+//   ./kernel_bench decode B Hq Hkv S SPLITS...
+//
+// decode: one query token per sequence against a contiguous KV cache [B, S, Hkv, 128] (the plain
+// decode tile, GQA packed into rows as flash_attn_with_kvcache runs it, nothing appended), for
+// each split count given (> 1: the split kernel and the combine); the L2 is flushed before each
+// step, and GB/s counts the K and V bytes read.
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda/kernels/flash_bwd.cuh"
@@ -52,6 +59,32 @@ float median_ms(F&& launch, int iters = 20) {
   for (int i = 0; i < 3; ++i) launch();
   std::vector<float> times;
   for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    launch();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Median milliseconds of `launch` as above, with `flush_bytes` of `flush` overwritten before
+// each run (outside the timed span) so that no run finds its inputs in the L2.
+template <class F>
+float median_ms_cold(F&& launch, void* flush, size_t flush_bytes, int iters = 20) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> times;
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaMemsetAsync(flush, i, flush_bytes));
     CHECK_CUDA(cudaEventRecord(start));
     launch();
     CHECK_CUDA(cudaEventRecord(stop));
@@ -163,9 +196,84 @@ void run_variants(int batch, int heads, int len) {
   run<E, Variant::kMaskedDropout>(batch, heads, len);
 }
 
+// One decode step (see the top of the file) per split count; the params mirror
+// make_kvcache_forward_params: the group = Hq / Hkv query heads of a KV head are rows of it.
+void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vector<int>& splits) {
+  constexpr int E = 128;
+  using Cfg = FwdConfig<AmpereAtom, E, Variant::kPlain, FwdShape::kDecode>;
+  const int group = heads_q / heads_kv;
+  const int64_t cache_elems = static_cast<int64_t>(batch) * len_kv * heads_kv * E;
+  const int64_t rows = static_cast<int64_t>(batch) * heads_q;
+  Buffers buf;
+  __half *q = buf.alloc<__half>(rows * E), *out = buf.alloc<__half>(rows * E);
+  __half *k = buf.alloc<__half>(cache_elems), *v = buf.alloc<__half>(cache_elems);
+  fill_random<<<1024, 256>>>(q, rows * E, 1);
+  fill_random<<<1024, 256>>>(k, cache_elems, 2);
+  fill_random<<<1024, 256>>>(v, cache_elems, 3);
+  const std::vector<int32_t> lengths(batch, len_kv);
+  int32_t* seqlens = buf.alloc<int32_t>(batch);
+  CHECK_CUDA(cudaMemcpy(seqlens, lengths.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+  const int max_splits = *std::max_element(splits.begin(), splits.end());
+  float* out_accum = buf.alloc<float>(max_splits * rows * E);
+  float* lse_accum = buf.alloc<float>(max_splits * rows);
+  const size_t flush_bytes = 256u << 20;
+  void* flush = buf.alloc<char>(flush_bytes);
+
+  ForwardParams p;
+  p.shape = AttentionShape{batch, heads_kv, heads_kv, group, len_kv, E, E};
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.lse = buf.alloc<float>(rows);
+  p.lse_layout = LseLayout{heads_q, group};
+  p.q_strides = p.out_strides =
+      TensorStrides{static_cast<int64_t>(heads_q) * E, static_cast<int64_t>(group) * E, E};
+  p.k_strides = p.v_strides = TensorStrides{static_cast<int64_t>(len_kv) * heads_kv * E, E,
+                                            static_cast<int64_t>(heads_kv) * E};
+  p.scale = 1.0 / std::sqrt(static_cast<double>(E));
+  p.kvcache.seqlens = seqlens;
+  p.split.out_accum = out_accum;
+  p.split.lse_accum = lse_accum;
+
+  const auto fwd = flash_fwd_kernel<AmpereAtom, Fp16, E, Variant::kPlain, false, FwdShape::kDecode>;
+  CHECK_CUDA(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  Cfg::kSmemBytes));
+  const double kv_bytes = 2.0 * cache_elems * sizeof(__half);
+  for (const int s : splits) {
+    p.split.num_splits = s;
+    const dim3 grid((group + Cfg::kBlockM - 1) / Cfg::kBlockM, batch * heads_kv, s);
+    const float ms = median_ms_cold(
+        [&] {
+          fwd<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(p);
+          if (s > 1) {
+            split_kv_combine_kernel<Fp16>
+                <<<(rows + kCombineWarps - 1) / kCombineWarps, kCombineWarps * 32>>>(p);
+          }
+        },
+        flush, flush_bytes);
+    std::printf("decode B%d H%d/%d S%d D%d splits %3d: %8.1f us  %6.0f GB/s (K/V read)\n", batch,
+                heads_q, heads_kv, len_kv, E, s, ms * 1e3, kv_bytes / ms * 1e-6);
+  }
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 7 && std::string(argv[1]) == "decode") {
+    std::vector<int> splits;
+    for (int i = 6; i < argc; ++i) splits.push_back(std::max(1, std::atoi(argv[i])));
+    const int heads_q = std::atoi(argv[3]), heads_kv = std::atoi(argv[4]);
+    if (heads_kv <= 0 || heads_q % heads_kv != 0 || heads_q / heads_kv > kDecodeRows) {
+      std::fprintf(stderr, "decode: Hq must be a multiple of Hkv, at most %d times it\n",
+                   kDecodeRows);
+      return 2;
+    }
+    run_decode(std::atoi(argv[2]), heads_q, heads_kv, std::atoi(argv[5]), splits);
+    return 0;
+  }
   if (argc != 5) {
-    std::fprintf(stderr, "usage: %s B H L E  (E = 64 or 128)\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s B H L E  (E = 64 or 128)\n       %s decode B Hq Hkv S SPLITS...\n",
+                 argv[0], argv[0]);
     return 2;
   }
   const int batch = std::atoi(argv[1]), heads = std::atoi(argv[2]), len = std::atoi(argv[3]);

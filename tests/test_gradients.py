@@ -107,7 +107,8 @@ def test_autograd_formulas_are_native(device):
     # frame per attention call, which on a GPU is the whole run time of a small attention.
     from torch_flash_v100 import flash_attn_interface as fa
 
-    q = torch.randn(1, 2, 4, 8, device=device, requires_grad=True)
+    dtype = torch.float16 if device == "cuda" else torch.float32  # the CUDA kernels' dtypes
+    q = torch.randn(1, 2, 4, 8, device=device, dtype=dtype, requires_grad=True)
     view = flash.attention(q, q, q).grad_fn
     assert [n.name() for n, _ in view.next_functions if n is not None] == [
         "torch::autograd::CppNode<flashv100::(anonymous namespace)::AttentionFunction>"]
