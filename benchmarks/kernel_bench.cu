@@ -50,15 +50,17 @@ __global__ void fill_random(__half* x, int64_t n, uint32_t salt) {
   }
 }
 
-// Median milliseconds of `launch` over `iters` runs, after 3 warm-up runs.
-template <class F>
-float median_ms(F&& launch, int iters = 20) {
+// Median milliseconds of `launch` over `iters` runs, after 3 warm-up runs; `before_each(i)` runs
+// before run i, outside the timed span.
+template <class F, class G>
+float median_ms(F&& launch, G&& before_each, int iters = 20) {
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) launch();
   std::vector<float> times;
   for (int i = 0; i < iters; ++i) {
+    before_each(i);
     CHECK_CUDA(cudaEventRecord(start));
     launch();
     CHECK_CUDA(cudaEventRecord(stop));
@@ -74,30 +76,16 @@ float median_ms(F&& launch, int iters = 20) {
   return times[times.size() / 2];
 }
 
-// Median milliseconds of `launch` as above, with `flush_bytes` of `flush` overwritten before
-// each run (outside the timed span) so that no run finds its inputs in the L2.
 template <class F>
-float median_ms_cold(F&& launch, void* flush, size_t flush_bytes, int iters = 20) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) launch();
-  std::vector<float> times;
-  for (int i = 0; i < iters; ++i) {
-    CHECK_CUDA(cudaMemsetAsync(flush, i, flush_bytes));
-    CHECK_CUDA(cudaEventRecord(start));
-    launch();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  CHECK_CUDA(cudaGetLastError());
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+float median_ms(F&& launch) {
+  return median_ms(launch, [](int) {});
+}
+
+// The same with `flush_bytes` of `flush` overwritten before each run, so that no run finds its
+// inputs in the L2.
+template <class F>
+float median_ms_cold(F&& launch, void* flush, size_t flush_bytes) {
+  return median_ms(launch, [&](int i) { CHECK_CUDA(cudaMemsetAsync(flush, i, flush_bytes)); });
 }
 
 // Device buffers of one problem, freed on scope exit.

@@ -41,6 +41,22 @@ std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// Runs a forward op below autograd for `ctx`'s node. Its lse and rng_state are returned for the
+// backward, not as differentiable results; their absent gradients stay undefined (materializing
+// them would cost two fill launches a step).
+template <class Op, class... Args>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward(AutogradContext* ctx, const Op& op,
+                                                            const Args&... args) {
+  at::Tensor out, lse, rng_state;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::tie(out, lse, rng_state) = op.call(args...);
+  }
+  ctx->mark_non_differentiable({lse, rng_state});
+  ctx->set_materialize_grads(false);
+  return {out, lse, rng_state};
+}
+
 // Calls a backward op: through its autograd formula when the backward records a graph
 // (create_graph), below autograd otherwise (a no-op formula, but a Python frame).
 template <class Call>
@@ -63,16 +79,8 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                          .typed<ForwardOp>();
     const bool mask_requires_grad =
         attn_mask.has_value() && attn_mask->is_floating_point() && attn_mask->requires_grad();
-    at::Tensor out, lse, rng_state;
-    {
-      const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse, rng_state) =
-          op.call(query, key, value, attn_mask, dropout_p, causal_mode, scale);
-    }
-    // lse and rng_state are returned for the backward, not as differentiable results; their
-    // absent gradients stay undefined (materializing them would cost two fill launches a step).
-    ctx->mark_non_differentiable({lse, rng_state});
-    ctx->set_materialize_grads(false);
+    const auto [out, lse, rng_state] =
+        call_forward(ctx, op, query, key, value, attn_mask, dropout_p, causal_mode, scale);
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse,
                             rng_state});
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -121,16 +129,10 @@ struct FlashFunction : public torch::autograd::Function<FlashFunction> {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("flashv100::_flash_forward", "")
                          .typed<FlashForwardOp>();
-    at::Tensor out, lse, rng_state;
-    {
-      const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse, rng_state) =
-          op.call(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                  alibi_slopes);
-    }
-    ctx->mark_non_differentiable({lse, rng_state});
-    ctx->set_materialize_grads(false);
+    const auto [out, lse, rng_state] =
+        call_forward(ctx, op, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+                     softcap, alibi_slopes);
     ctx->save_for_backward({query, key, value, out, lse, rng_state,
                             cu_seqlens_q.value_or(at::Tensor()),
                             cu_seqlens_k.value_or(at::Tensor()),

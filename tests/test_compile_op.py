@@ -55,6 +55,8 @@ def test_compiled_graph_calls_the_fused_ops(device):
 def test_compiled_autograd_equals_eager(device):
     # Compiled autograd traces the backward graph too, through the forward ops' C++ autograd
     # formulas (csrc/autograd.cpp: is_traceable) and the backward ops.
+    from torch._dynamo.utils import counters
+
     from torch_flash_v100 import flash_attn_interface as fa
 
     def step(q, mask):
@@ -64,8 +66,6 @@ def test_compiled_autograd_equals_eager(device):
         loss = out.square().sum() + out_fa.square().sum()
         loss.backward()
         return loss
-
-    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()

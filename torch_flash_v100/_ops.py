@@ -4,8 +4,9 @@ The schemas and the device kernels are registered in C++ (csrc/ops.cpp, csrc/cpu
 The public op ``flashv100::attention`` is a composite over ``flashv100::_attention_forward``,
 whose autograd formula is in C++ (csrc/autograd.cpp: no Python frame per step) and calls
 ``flashv100::_attention_backward``. The latter's own autograd formula is here (double backward:
-gradient penalties, Hessian-vector products): it differentiates the reference math twice. The FlashAttention-2 ops ``_flash_forward`` / ``_flash_backward`` have
-their fake kernels here and their autograd in ``_flash_ops``.
+gradient penalties, Hessian-vector products): it differentiates the reference math twice. The
+FlashAttention-2 ops ``_flash_forward`` / ``_flash_backward`` have their fake kernels here, the
+rest of their autograd in ``_flash_ops``.
 """
 
 from __future__ import annotations
