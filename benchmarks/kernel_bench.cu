@@ -12,8 +12,8 @@
 //
 // decode: one query token per sequence against a contiguous KV cache [B, S, Hkv, 128] (the plain
 // decode tile, GQA packed into rows as flash_attn_with_kvcache runs it, nothing appended), for
-// each split count given (> 1: the split kernel and the combine); the L2 is flushed before each
-// step, and GB/s counts the K and V bytes read.
+// each split count given (> 1: the split kernel and the combine, dependent on sm_90+ as the library
+// launches it); the L2 is flushed before each step, and GB/s counts the K and V bytes read.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -228,16 +228,23 @@ void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vec
   CHECK_CUDA(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   Cfg::kSmemBytes));
   const double kv_bytes = 2.0 * cache_elems * sizeof(__half);
+  // The combine as the library launches it: programmatically dependent on sm_90+.
+  cudaLaunchConfig_t combine = {};
+  combine.gridDim = dim3((rows + kCombineWarps - 1) / kCombineWarps);
+  combine.blockDim = dim3(kCombineWarps * 32);
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  int major = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major >= 9) combine.attrs = &dependent, combine.numAttrs = 1;
   for (const int s : splits) {
     p.split.num_splits = s;
     const dim3 grid((group + Cfg::kBlockM - 1) / Cfg::kBlockM, batch * heads_kv, s);
     const float ms = median_ms_cold(
         [&] {
           fwd<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(p);
-          if (s > 1) {
-            split_kv_combine_kernel<Fp16>
-                <<<(rows + kCombineWarps - 1) / kCombineWarps, kCombineWarps * 32>>>(p);
-          }
+          if (s > 1) CHECK_CUDA(cudaLaunchKernelEx(&combine, split_kv_combine_kernel<Fp16>, p));
         },
         flush, flush_bytes);
     std::printf("decode B%d H%d/%d S%d D%d splits %3d: %8.1f us  %6.0f GB/s (K/V read)\n", batch,

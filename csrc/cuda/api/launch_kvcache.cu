@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "cuda/api/dispatch.cuh"
@@ -50,6 +53,32 @@ int num_splits_heuristic(int64_t batch_heads_mblocks, int64_t num_sms, int64_t n
     if (eligible(s) && efficiency[s] >= 0.85 * best) return static_cast<int>(s);
   return 1;
 }
+
+#if CUDART_VERSION >= 12030
+namespace {
+
+// Whether `kernel` may launch programmatically dependent on the kernel before it (kvcache.cuh,
+// wait_for_primary_grid): the GPU is sm_90+ and the code it runs was built for sm_90+ (else the
+// kernel has no wait). Graph capture of such launches needs CUDA 12.3. Asked once per kernel and
+// device.
+bool waits_for_primary_grid(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> known;
+  const int device = c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find({kernel, device});
+  if (found != known.end()) return found->second;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cudaFuncAttributes attributes = {};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  const bool waits = major >= 9 && attributes.binaryVersion >= 90;
+  known.emplace(std::make_pair(kernel, device), waits);
+  return waits;
+}
+
+}  // namespace
+#endif
 
 void run_kvcache_append(at::ScalarType dtype, const KVAppendParams& a) {
   const int64_t q_count = a.q_rotated != nullptr ? a.batch * a.len_q * a.heads_q * a.head_dim : 0;
@@ -128,8 +157,20 @@ void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
     const auto kernel = kern::split_kv_combine_kernel<decltype(elem)>;
     debug_kernel("split_kv_combine", static_cast<int>(sh.head_dim_v), "splits",
                  p.split.num_splits, 1, kern::kCombineWarps * 32, 0);
-    kernel<<<ceil_div(rows, kern::kCombineWarps), kern::kCombineWarps * 32, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(ceil_div(rows, kern::kCombineWarps)));
+    config.blockDim = dim3(kern::kCombineWarps * 32);
+    config.stream = stream;
+#if CUDART_VERSION >= 12030
+    cudaLaunchAttribute dependent;
+    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    dependent.val.programmaticStreamSerializationAllowed = 1;
+    if (waits_for_primary_grid(reinterpret_cast<const void*>(kernel))) {
+      config.attrs = &dependent;
+      config.numAttrs = 1;
+    }
+#endif
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   });
 }
 

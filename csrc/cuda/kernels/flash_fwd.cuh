@@ -27,6 +27,10 @@
 namespace flashv100 {
 namespace kern {
 
+// The online softmax moves a row's running max only when a tile's max passes it by more than this
+// many doublings of P (flash_fwd_kernel).
+constexpr float kLazyRescaleLog2 = 8.0f;
+
 // kVariant: with or without attn_mask, with or without dropout (configs.cuh). kPaged: K/V in a
 // paged KV cache (FwdConfig::min_blocks). kShape: the prefill or the decode tile (configs.cuh).
 template <class Atom, class Elem, int kHeadDim, Variant kVariant, bool kPaged = false,
@@ -89,6 +93,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     const BlockShare share = split_share(tiles, blockIdx.z, p.split.num_splits);
     key_end = min(key_end, key_begin + static_cast<int>(share.last) * kBlockN);
     key_begin += static_cast<int>(share.first) * kBlockN;
+    allow_dependent_launch();  // the combine (kvcache.cuh) waits for this grid on the GPU
   }
 
   // Paged key tile n0: as a contiguous tile when it lies in one page (one block-table read
@@ -199,7 +204,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
       mask.add_bias(s, lane, m0 + warp_row0, nw0, vis.len_q);
     }
 
-    // Online softmax: new running max per row, rescale what was accumulated so far.
+    // Online softmax. The running max per row moves (and what was accumulated is rescaled) only
+    // where this tile's max exceeds it by more than 2^kLazyRescaleLog2 in P: P, its sum and O stay
+    // relative to one max either way (lse uses the same), so the result is the same softmax with
+    // P <= 2^kLazyRescaleLog2, and most tiles skip the rescale of O (one warp-wide vote).
     float tile_max[kFragM][kSlots];
 #pragma unroll
     for (int fm = 0; fm < kFragM; ++fm)
@@ -208,17 +216,34 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
       tile_max[fm][sl] = fmaxf(tile_max[fm][sl], x);
     });
-    float base[kFragM][kSlots], alpha[kFragM][kSlots];
+    bool grows = false;
 #pragma unroll
     for (int fm = 0; fm < kFragM; ++fm)
 #pragma unroll
       for (int sl = 0; sl < kSlots; ++sl) {
-        const float m_new = fmaxf(row_max[fm][sl], row_allreduce_max<Atom>(tile_max[fm][sl]));
-        base[fm][sl] = softmax_base(m_new);
-        alpha[fm][sl] = fast_exp2((row_max[fm][sl] - base[fm][sl]) * log2_unit);
-        row_max[fm][sl] = m_new;
-        row_sum[fm][sl] *= alpha[fm][sl];
+        tile_max[fm][sl] = row_allreduce_max<Atom>(tile_max[fm][sl]);
+        // -inf running max: any finite tile max grows it (the difference is +inf; -inf - -inf
+        // is NaN and grows nothing).
+        grows |= (tile_max[fm][sl] - row_max[fm][sl]) * log2_unit > kLazyRescaleLog2;
       }
+    if (__any_sync(0xffffffffu, grows)) {
+      float alpha[kFragM][kSlots];
+#pragma unroll
+      for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+        for (int sl = 0; sl < kSlots; ++sl) {
+          const float m_new = fmaxf(row_max[fm][sl], tile_max[fm][sl]);
+          alpha[fm][sl] = fast_exp2((row_max[fm][sl] - softmax_base(m_new)) * log2_unit);
+          row_max[fm][sl] = m_new;
+          row_sum[fm][sl] *= alpha[fm][sl];
+        }
+      o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
+    }
+    float base[kFragM][kSlots];
+#pragma unroll
+    for (int fm = 0; fm < kFragM; ++fm)
+#pragma unroll
+      for (int sl = 0; sl < kSlots; ++sl) base[fm][sl] = softmax_base(row_max[fm][sl]);
     s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
       if constexpr (kGeneral) {
         x = fast_exp2((x - base[fm][sl]) * kLog2e);
@@ -227,7 +252,6 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
       }
       row_sum[fm][sl] += x;
     });
-    o.for_each(lane, [&](int fm, int sl, int, int, float& x) { x *= alpha[fm][sl]; });
     if constexpr (kDropout) {  // the sum above is of all of P; 1 / (1 - p): epilogue
       dropout.for_each_keep_pair<Atom, SAcc>(lane, blockIdx.y, m0 + warp_row0, nw0,
                                              [&](int fm, int fn, int i, bool keep0, bool keep1) {

@@ -14,6 +14,20 @@ constexpr int kAppendThreads = 256;
 constexpr int kCombineWarps = 4;
 constexpr int kMaxSplits = 128;
 
+// Programmatic dependent launch (sm_90+; no-ops below): the split forward lets the combine launch
+// before it finishes (its blocks then wait on the GPU instead of behind a kernel boundary), and
+// the combine waits for the forward's partials to be complete and visible before reading them.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+__device__ __forceinline__ void wait_for_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Element e of a row at `src`, rotated at cos/sin row `position` if e < rotary_dim.
 template <class Elem>
 __device__ __forceinline__ float rotated_element(const KVAppendParams& a, const uint16_t* src,
@@ -98,6 +112,7 @@ __device__ __forceinline__ void append_new_rows(const ForwardParams& p, const Se
 template <class Elem>
 __global__ void __launch_bounds__(kCombineWarps * 32) split_kv_combine_kernel(const ForwardParams p) {
   __shared__ float weights[kCombineWarps][kMaxSplits];
+  wait_for_primary_grid();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const AttentionShape& shape = p.shape;
   const int64_t rows = shape.batch * shape.heads_q * shape.len_q;
