@@ -1,13 +1,15 @@
 // Launcher helpers shared by the forward and backward launch units: the atom x dtype x head-dim
-// bucket x variant dispatch, grid arithmetic, dynamic shared memory opt-in.
+// bucket x variant dispatch, grid arithmetic, facts asked of the runtime once per kernel and
+// device (shared-memory opt-in, occupancy, dependent launch).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
+#include <map>
 #include <mutex>
-#include <set>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -76,19 +78,44 @@ inline kern::Variant variant_of(const ForwardParams& p) {
   return general ? kern::Variant::kMasked : kern::Variant::kPlain;
 }
 
-// Opts a kernel into > 48 KB of dynamic shared memory, once per kernel and device (the driver
-// call costs ~2 us of host time, and small attentions are host bound).
+// What the launchers ask the runtime about a kernel on a device, once: decode steps launch every
+// token and small attentions are host bound (a driver call costs ~2 us of host time).
+enum class KernelFact { kSharedMemoryOptIn, kBlocksPerSm, kWaitsForPrimaryGrid };
+
+struct KnownKernelFacts {
+  using Key = std::tuple<const void*, int, KernelFact>;  // kernel, device, fact
+  std::mutex mutex;
+  std::map<Key, int> values;
+};
+inline KnownKernelFacts& known_kernel_facts() {
+  static KnownKernelFacts known;
+  return known;
+}
+
+// ask() the first time (kernel, current device, fact) comes up, its value every time after.
+template <class Ask>
+int kernel_fact(const void* kernel, KernelFact fact, Ask&& ask) {
+  KnownKernelFacts& known = known_kernel_facts();
+  const KnownKernelFacts::Key key{kernel, c10::cuda::current_device(), fact};
+  {
+    const std::lock_guard<std::mutex> lock(known.mutex);
+    const auto found = known.values.find(key);
+    if (found != known.values.end()) return found->second;
+  }
+  const int value = ask();  // unlocked: an answer may ask another fact
+  const std::lock_guard<std::mutex> lock(known.mutex);
+  return known.values.emplace(key, value).first->second;
+}
+
+// Opts a kernel into > 48 KB of dynamic shared memory.
 template <class Kernel>
 inline void set_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return;
-  static std::mutex mutex;
-  static std::set<std::pair<const void*, int>> opted_in;  // (kernel, device)
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel),
-                                        c10::cuda::current_device()};
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (opted_in.count(key) != 0) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  opted_in.insert(key);
+  kernel_fact(reinterpret_cast<const void*>(kernel), KernelFact::kSharedMemoryOptIn, [&] {
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    return bytes;
+  });
 }
 
 }  // namespace cuda

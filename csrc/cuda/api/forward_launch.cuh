@@ -8,8 +8,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 
 #include "cuda/api/dispatch.cuh"
 #include "cuda/api/launch.h"
@@ -82,18 +80,14 @@ ForwardTiling forward_tiling_head_dim(MmaAtom atom, at::ScalarType dtype, const 
   constexpr kern::FwdShape kShape = kTileShape<kDecodeTile>;
   with_forward_kernel<kShape, kBucket>(atom, dtype, p, [&](auto kernel, auto cfg, const char*) {
     using Cfg = decltype(cfg);
-    static std::array<std::atomic<int>, 64> blocks_on_device{};  // 0: not asked yet
-    const int device = c10::cuda::current_device();
-    TORCH_CHECK(device < static_cast<int>(blocks_on_device.size()), "flashv100: device index ",
-                device, " beyond ", blocks_on_device.size());
-    int blocks = blocks_on_device[device].load(std::memory_order_relaxed);
-    if (blocks == 0) {
-      set_smem(kernel, Cfg::kSmemBytes);
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads,
-                                                                   Cfg::kSmemBytes));
-      blocks = std::max(blocks, 1);
-      blocks_on_device[device].store(blocks, std::memory_order_relaxed);
-    }
+    const int blocks =
+        kernel_fact(reinterpret_cast<const void*>(kernel), KernelFact::kBlocksPerSm, [&] {
+          set_smem(kernel, Cfg::kSmemBytes);
+          int resident = 0;
+          C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+              &resident, kernel, Cfg::kThreads, Cfg::kSmemBytes));
+          return std::max(resident, 1);
+        });
     t = ForwardTiling{Cfg::kBlockM, Cfg::kBlockN, blocks};
   });
   return t;

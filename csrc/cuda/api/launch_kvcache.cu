@@ -7,9 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
-#include <mutex>
-#include <utility>
 #include <vector>
 
 #include "cuda/api/dispatch.cuh"
@@ -59,22 +56,16 @@ namespace {
 
 // Whether `kernel` may launch programmatically dependent on the kernel before it (kvcache.cuh,
 // wait_for_primary_grid): the GPU is sm_90+ and the code it runs was built for sm_90+ (else the
-// kernel has no wait). Graph capture of such launches needs CUDA 12.3. Asked once per kernel and
-// device.
+// kernel has no wait). Graph capture of such launches needs CUDA 12.3.
 bool waits_for_primary_grid(const void* kernel) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, bool> known;
-  const int device = c10::cuda::current_device();
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({kernel, device});
-  if (found != known.end()) return found->second;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  cudaFuncAttributes attributes = {};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const bool waits = major >= 9 && attributes.binaryVersion >= 90;
-  known.emplace(std::make_pair(kernel, device), waits);
-  return waits;
+  return kernel_fact(kernel, KernelFact::kWaitsForPrimaryGrid, [&] {
+           int major = 0;
+           C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                                 c10::cuda::current_device()));
+           cudaFuncAttributes attributes = {};
+           C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+           return major >= 9 && attributes.binaryVersion >= 90 ? 1 : 0;
+         }) != 0;
 }
 
 }  // namespace

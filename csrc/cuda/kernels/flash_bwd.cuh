@@ -311,7 +311,8 @@ __device__ __forceinline__ void recount_saturated_row(const BackwardParams& p, i
 
 // The atomic path's dQ workspace (DqWorkspace below) as rows of `row_floats` floats,
 // `padded_len_q` per (batch, head): the D pre-pass zeroes it, so it needs no fill launch of its
-// own (as FlashAttention-2 does). `floats` is null in the deterministic path.
+// own (as FlashAttention-2 does). `floats` is null in the deterministic path, and the rows are
+// then the queries themselves (padded_len_q = len_q).
 struct DqWorkspaceRows {
   float* floats;
   int64_t padded_len_q;
@@ -329,8 +330,7 @@ __global__ void __launch_bounds__(128)
   const ForwardParams& f = p.fwd;
   const int lane = threadIdx.x & 31;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
-  const int64_t padded_len_q = dq_ws.floats != nullptr ? dq_ws.padded_len_q : f.shape.len_q;
-  const int64_t bh = slot / padded_len_q, i = slot % padded_len_q;
+  const int64_t bh = slot / dq_ws.padded_len_q, i = slot % dq_ws.padded_len_q;
   if (bh >= f.shape.batch * f.shape.heads_q) return;
   if (dq_ws.floats != nullptr) {
     float4* ws_row = reinterpret_cast<float4*>(dq_ws.floats + slot * dq_ws.row_floats);
