@@ -149,6 +149,33 @@ def test_large_magnitude_stays_finite(device):
     assert_fa2_close(out, ref, base)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_row_max_rising_across_key_tiles(dtype, is_causal, device):
+    # Scores that climb along the keys in steps both below and above the kernels' lazy-rescale
+    # threshold (a tile's max passing the running max by more than 2^8 in P), falling back now
+    # and then: every key tile size sees both the skipped and the taken rescale.
+    g = torch.Generator().manual_seed(7)
+    len_q, len_kv, dim = 48, 300, 64
+    steps = torch.tensor([0.02, 0.3, 4.5, 6.5, -3.0], dtype=torch.float64)
+    climb = steps[torch.randint(0, len(steps), (len_kv,), generator=g)].cumsum(0)
+    k = torch.randn(2, 2, len_kv, dim, generator=g, dtype=torch.float64) * 0.3
+    k[..., 0] = climb
+    q = torch.randn(2, 2, len_q, dim, generator=g, dtype=torch.float64) * 0.3
+    q[..., 0] = torch.linspace(0.5, 1.5, len_q, dtype=torch.float64)
+    v = torch.randn(2, 2, len_kv, dim, generator=g, dtype=torch.float64)
+    q, k, v = (t.to(device, dtype) for t in (q, k, v))
+    out, lse, _ = torch.ops.flashv100._attention_forward(q, k, v, None, 0.0, int(is_causal), 1.0)
+    ref = reference_fp64(q, k, v, is_causal=is_causal, scale=1.0)
+    base = reference_low_precision(q, k, v, is_causal=is_causal, scale=1.0)
+    assert_fa2_close(out, ref, base)
+    scores = q.double() @ k.double().transpose(-1, -2)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(len_q, len_kv, dtype=torch.bool,
+                                               device=device).triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, dim=-1), atol=1e-3, rtol=1e-4)
+
+
 def test_empty_key_sequence_gives_zeros(device):
     q = torch.randn(1, 1, 3, 8, device=device)
     k = torch.randn(1, 1, 0, 8, device=device)
