@@ -64,9 +64,10 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
 // load_tile_rows without the trip through registers: 16-byte cp.async copies (rows or columns past
 // the valid range are zero-filled by the copy itself, reading nothing at `fallback`), completed by
 // cp_async_wait_all(). The L2 fetches whole 128-byte lines (FlashAttention-2's hint): decoding on
-// the H200 read 2-3% faster from 8k keys (kernel_bench), prefill unchanged; 256 bytes was slower. kGather: row_ptr reads memory (a paged cache's block table), so every row
-// address of the thread is resolved before the first copy: the reads are in flight together
-// instead of one read's latency before each copy. sm_80+ only.
+// the H200 read 2-3% faster from 8k keys (kernel_bench), prefill unchanged; 256 bytes was slower.
+// kGather: row_ptr reads memory (a paged cache's block table), so every row address of the thread
+// is resolved before the first copy: the reads are in flight together instead of one read's
+// latency before each copy. sm_80+ only.
 template <int kRows, int kCols, int kThreads, bool kGather = false, class RowPtr>
 __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                      const uint16_t* fallback, int rows_valid,
