@@ -61,7 +61,9 @@ def load_nvrtc() -> ctypes.CDLL:
     sys.exit("nvrtc_gate: libnvrtc.so.12 not found; pip install nvidia-cuda-nvrtc-cu12==12.9.86")
 
 
-def compile_for(nvrtc: ctypes.CDLL, source_path: str, arch: str, include_dir: str) -> tuple[int, str]:
+def compile_for(nvrtc: ctypes.CDLL, source_path: str, arch: str, include_dir: str,
+                extra_options: tuple[str, ...] = ()) -> tuple[int, str, bytes]:
+    """NVRTC's status, its log (with ptxas -v) and the CUBIN (empty when compilation failed)."""
     with open(source_path, encoding="utf-8") as f:
         source = f.read().encode()
     program = ctypes.c_void_p()
@@ -71,15 +73,22 @@ def compile_for(nvrtc: ctypes.CDLL, source_path: str, arch: str, include_dir: st
         sys.exit(f"nvrtc_gate: nvrtcCreateProgram failed with status {status}")
     options = [f"--gpu-architecture={arch}", "--ptxas-options=-v", "-std=c++17",
                f"--include-path={include_dir}", "--device-as-default-execution-space",
-               "-DFLASHV100_NVRTC_GATE=1"]
+               "-DFLASHV100_NVRTC_GATE=1", *extra_options]
     option_array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     status = nvrtc.nvrtcCompileProgram(program, len(options), option_array)
     log_size = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(log_size))
     log = ctypes.create_string_buffer(log_size.value)
     nvrtc.nvrtcGetProgramLog(program, log)
+    cubin = b""
+    if status == 0:
+        cubin_size = ctypes.c_size_t()
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(cubin_size))
+        buffer = ctypes.create_string_buffer(cubin_size.value)
+        nvrtc.nvrtcGetCUBIN(program, buffer)
+        cubin = buffer.raw
     nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
-    return status, log.value.decode(errors="replace")
+    return status, log.value.decode(errors="replace"), cubin
 
 
 def demangle(names: list[str]) -> dict[str, str]:
@@ -129,7 +138,7 @@ def main() -> int:
     failures: list[str] = []
     full_log = []
     for arch in archs:
-        status, log = compile_for(nvrtc, args.source, arch, args.include)
+        status, log, _ = compile_for(nvrtc, args.source, arch, args.include)
         full_log.append(f"==== {arch} ====\n{log}")
         if status != 0:
             print(log)
