@@ -39,12 +39,6 @@ struct FastDivmod {
   }
 };
 
-// A compile-time flag passed to generic lambdas (NVRTC has no <type_traits>).
-template <bool kValue>
-struct BoolTag {
-  static constexpr bool value = kValue;
-};
-
 // The rows of one key/value head of a sequence in a paged KV cache (KVCacheParams), for a tile
 // whose row 0 is the sequence's cache row `first`: row r is row (first + r) % page_size of page
 // table[(first + r) / page_size].

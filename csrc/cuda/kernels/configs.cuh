@@ -121,19 +121,15 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr int kWarpKeys = T::kBlockN / T::kKeyWarps;
   static_assert(T::kKeyWarps == 1 || T::kKeyWarps == T::kWarps,
                 "a key-split tile has one row tile (its merge, flash_fwd.cuh)");
-  // V is stored transposed for atoms that read B fragments pair by pair (pairs along keys).
-  static constexpr bool kVTransposed = !Atom::kLdmatrix;
   static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]
-  static constexpr int kLdVt = T::kBlockN + kSmemPad;   // or V^T: [head dim][keys]
   static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
   static_assert(T::kKVStages == 1 || (T::kKVStages == 2 && Atom::kAsyncCopy && Atom::kAccumIsA),
                 "two K/V buffers need cp.async (and P in registers: one barrier a tile)");
-  static constexpr int kKElems = T::kBlockN * kLdQK;
-  static constexpr int kVElems = kVTransposed ? kHeadDim * kLdVt : T::kBlockN * kLdQK;
+  static constexpr int kKVElems = T::kBlockN * kLdQK;  // one K or V buffer
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + T::kBlockM * kLdQK;  // K buffers, then V buffers
-  static constexpr int kVOffset = kKOffset + T::kKVStages * kKElems;
-  static constexpr int kPOffset = kVOffset + T::kKVStages * kVElems;
+  static constexpr int kVOffset = kKOffset + T::kKVStages * kKVElems;
+  static constexpr int kPOffset = kVOffset + T::kKVStages * kKVElems;
   static constexpr int kPElems = Atom::kAccumIsA ? 0 : T::kBlockM * kLdP;
   // Key-split tiles: after the loop each warp but the first leaves its O, row max and row sum
   // there (fp32, lane-major: every warp's accumulator has the same lane map) over Q/K/V.

@@ -1,9 +1,9 @@
 // FlashAttention-2 forward: one block per (query tile, batch*head). Q stays in shared memory, K/V
 // tiles stream through it; S and the fp32 O accumulator live in registers, the online softmax runs
 // in fp32 on the accumulator map. P becomes the A operand of P.V in registers where the atom's
-// layouts allow it (kAccumIsA), else through a warp-private shared tile (Volta). V is stored
-// transposed for atoms that read fragments pair by pair (Volta: pairs along keys), as is for
-// ldmatrix atoms (.trans). Loads are issued one stage ahead: V of a tile while S is computed, K of
+// layouts allow it (kAccumIsA), else through a warp-private shared tile (Volta). K and V are
+// stored as they come (rows of keys); each atom reads V as the B operand in its own way
+// (ldmatrix.trans, or Volta's row-major B fragments). Loads are issued one stage ahead: V of a tile while S is computed, K of
 // the next tile while P.V runs (asynchronous with cp.async; on Volta the same order, synchronous);
 // tiles with two K/V buffers (configs.cuh, kKVStages) load the next tile's K and V while the
 // current one is computed. Key-split tiles (the decode tile, kKeyWarps): each warp takes a slice of
@@ -52,7 +52,6 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   uint16_t* sQ = smem + Cfg::kQOffset;
   uint16_t* sK = smem + Cfg::kKOffset;
   uint16_t* sV = smem + Cfg::kVOffset;
-  constexpr bool kVTransposed = Cfg::kVTransposed;
   uint16_t* sP = smem + Cfg::kPOffset;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -96,39 +95,30 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     allow_dependent_launch();  // the combine (kvcache.cuh) waits for this grid on the GPU
   }
 
-  // Paged key tile n0: as a contiguous tile when it lies in one page (one block-table read
-  // instead of one per row, and contiguous address math), else row by row.
-  const auto stage_paged = [&](uint16_t* dst, int ld, const uint16_t* head,
-                               const TensorStrides& st, int n0, auto transpose) {
-    constexpr bool kTranspose = decltype(transpose)::value;
-    const PagedRows rows = paged_rows(head, st, n0);
-    if (const uint16_t* base = rows.single_page(kBlockN)) {
-      stage_tile<Atom, kBlockN, kHeadDim, kThreads, kTranspose>(dst, ld, base, st.row,
-                                                                vis.len_kv - n0, d, tid);
+  // Key tile n0 of K or V (rows from `head`) into a K/V buffer. Paged: as a contiguous tile when
+  // it lies in one page (one block-table read instead of one per row, and contiguous address
+  // math), else row by row.
+  const auto stage_kv = [&](uint16_t* dst, const uint16_t* head, const TensorStrides& st, int n0) {
+    if constexpr (kPaged) {
+      const PagedRows rows = paged_rows(head, st, n0);
+      if (const uint16_t* base = rows.single_page(kBlockN)) {
+        stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, base, st.row,
+                                                      vis.len_kv - n0, d, tid);
+      } else {
+        stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, true>(dst, Cfg::kLdQK, rows, head,
+                                                                 vis.len_kv - n0, d, tid);
+      }
     } else {
-      stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kTranspose, true>(
-          dst, ld, rows, head, vis.len_kv - n0, d, tid);
+      stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, head + n0 * st.row, st.row,
+                                                    vis.len_kv - n0, d, tid);
     }
   };
   // Key tile n0 into K/V buffer `buf` (kKVStages of them).
   const auto stage_k = [&](int n0, int buf) {
-    uint16_t* const dst = sK + buf * Cfg::kKElems;
-    if constexpr (kPaged) {
-      stage_paged(dst, Cfg::kLdQK, k_head, p.k_strides, n0, BoolTag<false>{});
-    } else {
-      stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, k_head + n0 * p.k_strides.row,
-                                                    p.k_strides.row, vis.len_kv - n0, d, tid);
-    }
+    stage_kv(sK + buf * Cfg::kKVElems, k_head, p.k_strides, n0);
   };
   const auto stage_v = [&](int n0, int buf) {
-    uint16_t* const dst = sV + buf * Cfg::kVElems;
-    constexpr int kLdV = kVTransposed ? Cfg::kLdVt : Cfg::kLdQK;
-    if constexpr (kPaged) {
-      stage_paged(dst, kLdV, v_head, p.v_strides, n0, BoolTag<kVTransposed>{});
-    } else {
-      stage_tile<Atom, kBlockN, kHeadDim, kThreads, kVTransposed>(
-          dst, kLdV, v_head + n0 * p.v_strides.row, p.v_strides.row, vis.len_kv - n0, d, tid);
-    }
+    stage_kv(sV + buf * Cfg::kKVElems, v_head, p.v_strides, n0);
   };
   if constexpr (kShape == FwdShape::kDecode && decode_tile_appends(kHeadDim)) {
     if (p.append.k != nullptr) {  // this block's share of the new rows (KVNewRows)
@@ -165,11 +155,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
   const KMajor p_op{sP + warp_row0 * Cfg::kLdP + warp_key0, Cfg::kLdP};
   // B operand of P.V over the warp's keys: V(j, e) addressed as (n = e, k = j).
   const auto v_op = [&](int buf) {
-    if constexpr (kVTransposed) {
-      return KMajor{sV + buf * Cfg::kVElems + warp_key0, Cfg::kLdVt};
-    } else {
-      return MMajor{sV + buf * Cfg::kVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK};
-    }
+    return MMajor{sV + buf * Cfg::kKVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK};
   };
 
   // One buffer: V of a tile loads while S is computed, K of the next one during P.V (two
@@ -190,7 +176,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
     s.zero();
     const int nw0 = n0 + warp_key0;  // the warp's first key
     warp_gemm<Atom, Elem, kHeadDim>(
-        s, q_op, KMajor{sK + buf * Cfg::kKElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK}, k_extent,
+        s, q_op, KMajor{sK + buf * Cfg::kKVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK}, k_extent,
         kWarpKeys, lane);
 
     // Scores in the units the exponent takes them: raw for the plain variant (the scale is

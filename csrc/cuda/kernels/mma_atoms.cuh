@@ -2,10 +2,9 @@
 // matrix coordinates it holds. Everything above this file (tiles, softmax, masking) is written
 // against these maps only, never against an instruction's layout.
 //
-// Operands are 16-bit pairs: A register j of a lane holds A(a_row, a_col) and A(a_row, a_col + 1);
-// B register j holds B^T(b_col, b_k) and B^T(b_col, b_k + 1), i.e. B is addressed as (n, k).
-// kLdmatrix atoms also load whole fragments from a shared-memory operand (warp_tile.cuh's
-// SmemOperand: at(m, k) and kKContiguous) themselves.
+// Operands are 16-bit pairs, B addressed as (n, k). Each atom loads its A and B fragments from a
+// shared-memory operand (warp_tile.cuh's SmemOperand: at(m, k) and kKContiguous) itself, in the
+// register layout its mma<Elem, AOp, BOp> expects for operands stored that way.
 // Accumulator element i sits at (c_row, c_col); c_col(i ^ 1) == c_col(i) ^ 1, so elements (2k, 2k+1)
 // are column neighbours, and elements i and i + 2 (i % 4 == 0) share columns in the two row slots.
 // The rows a lane holds are indexed by a "row slot"; the lanes sharing a row differ exactly in the
@@ -40,14 +39,6 @@ struct VoltaAtom {
   static constexpr int kMaxSmemBytes = 96 * 1024;
   static constexpr int kNativeArch = 700;
 
-  static __device__ __forceinline__ int a_row(int lane, int) {
-    return ((lane >> 2) & 1) * 8 + (lane >> 4) * 4 + (lane & 3);
-  }
-  static __device__ __forceinline__ int a_col(int, int j) { return 2 * j; }
-  static __device__ __forceinline__ int b_col(int lane, int) {
-    return ((lane >> 3) & 1) * 8 + (lane >> 4) * 4 + (lane & 3);
-  }
-  static __device__ __forceinline__ int b_k(int, int j) { return 2 * j; }
   static __device__ __forceinline__ int row_slot(int i) { return (i >> 1) & 1; }
   static __device__ __forceinline__ int dropout_group(int i) { return (i >> 2) & 1; }
   static __device__ __forceinline__ int slot_row(int lane, int slot) {
@@ -58,16 +49,62 @@ struct VoltaAtom {
     return ((lane >> 3) & 1) * 8 + (lane & 2) + (i & 1) + (i & 4);
   }
 
-  template <class Elem>
+  // Fragments of quad pair q: A rows 8 (q & 1) and B columns 8 (q >> 1) of the 16x16 block. The
+  // layout follows the operand's storage, so every register is one 32-bit shared-memory load:
+  // k-contiguous A is "row" (a lane holds one row, k 0-3), otherwise "col" (one k, four rows);
+  // k-contiguous B is "col" (one column, k 0-3), otherwise "row" (one k, four columns).
+  template <class Op>
+  static __device__ __forceinline__ void load_a(const Op& op, int m0, int k0, int lane,
+                                                uint32_t (&a)[kARegs]) {
+    load_quad(op, m0, ((lane >> 2) & 1) * 8 + (lane >> 4) * 4, k0, lane, a);
+  }
+  template <class Op>
+  static __device__ __forceinline__ void load_b(const Op& op, int n0, int k0, int lane,
+                                                uint32_t (&b)[kBRegs]) {
+    load_quad(op, n0, ((lane >> 3) & 1) * 8 + (lane >> 4) * 4, k0, lane, b);
+  }
+
+  // D = A B + C of each quad pair; the layouts of A and B are those load_a / load_b gave them.
+  template <class Elem, class AOp, class BOp>
   static __device__ __forceinline__ void mma(float (&c)[kCRegs], const uint32_t (&a)[kARegs],
                                              const uint32_t (&b)[kBRegs]) {
     static_assert(!Elem::kIsBf16, "Volta tensor cores take fp16 only");
-    asm volatile(
-        "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]),
-          "+f"(c[7])
-        : "r"(a[0]), "r"(a[1]), "r"(b[0]), "r"(b[1]));
+#if defined(FLASHV100_WARP_EMULATION)
+    emulated_mma_m8n8k4<AOp::kKContiguous, BOp::kKContiguous>(c, a, b);
+#else
+#define FLASHV100_MMA_M8N8K4(layouts)                                                          \
+  asm volatile("mma.sync.aligned.m8n8k4." layouts ".f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, " \
+               "{%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};\n"                                \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]),       \
+                 "+f"(c[6]), "+f"(c[7])                                                         \
+               : "r"(a[0]), "r"(a[1]), "r"(b[0]), "r"(b[1]))
+    if constexpr (AOp::kKContiguous && BOp::kKContiguous) {
+      FLASHV100_MMA_M8N8K4("row.col");
+    } else if constexpr (AOp::kKContiguous) {
+      FLASHV100_MMA_M8N8K4("row.row");
+    } else if constexpr (BOp::kKContiguous) {
+      FLASHV100_MMA_M8N8K4("col.col");
+    } else {
+      FLASHV100_MMA_M8N8K4("col.row");
+    }
+#undef FLASHV100_MMA_M8N8K4
+#endif
+  }
+
+ private:
+  // The four 16-bit values of a lane, contiguous in shared memory (one 64-bit load), for the
+  // fragment at (x0, k0): at (x0 + x, k0..k0+3) of a k-contiguous operand (x = x_quad + lane % 4:
+  // row of A or column of B), or at (x0 + x_quad..x0 + x_quad + 3, k0 + lane % 4) otherwise.
+  // The lane's part of the offset is apart, so that the fragment's folds into the load's
+  // immediate. Operands start 8-byte aligned with even ld.
+  template <class Op>
+  static __device__ __forceinline__ void load_quad(const Op& op, int x0, int x_quad, int k0,
+                                                   int lane, uint32_t (&r)[2]) {
+    const int lane_offset =
+        Op::kKContiguous ? op.offset(x_quad + (lane & 3), 0) : op.offset(x_quad, lane & 3);
+    const uint2 quad = *reinterpret_cast<const uint2*>(op.base + lane_offset + op.offset(x0, k0));
+    r[0] = quad.x;
+    r[1] = quad.y;
   }
 };
 
@@ -98,10 +135,6 @@ struct AmpereAtom {
     a[3] = pack2<Elem>(hi[2], hi[3]);
   }
 
-  static __device__ __forceinline__ int a_row(int lane, int j) { return (lane >> 2) + (j & 1) * 8; }
-  static __device__ __forceinline__ int a_col(int lane, int j) { return (lane & 3) * 2 + (j >> 1) * 8; }
-  static __device__ __forceinline__ int b_col(int lane, int) { return lane >> 2; }
-  static __device__ __forceinline__ int b_k(int lane, int j) { return (lane & 3) * 2 + j * 8; }
   static __device__ __forceinline__ int row_slot(int i) { return i >> 1; }
   static __device__ __forceinline__ int dropout_group(int) { return 0; }
   static __device__ __forceinline__ int slot_row(int lane, int slot) { return (lane >> 2) + 8 * slot; }
@@ -176,7 +209,8 @@ struct AmpereAtom {
                                    b0[1], b1[0], b1[1]);
   }
 
-  template <class Elem>
+  // ldmatrix(.trans) gives every operand the row.col layout, whatever its storage.
+  template <class Elem, class AOp, class BOp>
   static __device__ __forceinline__ void mma(float (&c)[kCRegs], const uint32_t (&a)[kARegs],
                                              const uint32_t (&b)[kBRegs]) {
 #if FLASHV100_SM80

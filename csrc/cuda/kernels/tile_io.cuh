@@ -32,32 +32,22 @@ __device__ __forceinline__ void for_each_tile_vector(int tid, F&& f) {
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global 16-bit matrix into a kRows x kCols
 // shared tile (row stride ld), zero-filling the rest so that padding contributes nothing to any
 // product. Row r starts at row_ptr(r), called for valid rows only (paged caches: an index read).
-// kTranspose stores the tile transposed (smem[col * ld + row]).
-template <int kRows, int kCols, int kThreads, bool kTranspose = false, class RowPtr>
+template <int kRows, int kCols, int kThreads, class RowPtr>
 __device__ __forceinline__ void load_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                int rows_valid, int cols_valid, int tid) {
   for_each_tile_vector<kRows, kCols, kThreads>(tid, [&](int r, int c) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (r < rows_valid && c < cols_valid)
       v = __ldg(reinterpret_cast<const uint4*>(row_ptr(r) + c));
-    if constexpr (!kTranspose) {
-      *reinterpret_cast<uint4*>(smem + r * ld + c) = v;
-    } else {
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        smem[(c + 2 * x) * ld + r] = static_cast<uint16_t>(words[x] & 0xffffu);
-        smem[(c + 2 * x + 1) * ld + r] = static_cast<uint16_t>(words[x] >> 16);
-      }
-    }
+    *reinterpret_cast<uint4*>(smem + r * ld + c) = v;
   });
 }
 
-template <int kRows, int kCols, int kThreads, bool kTranspose = false>
+template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                           int64_t row_stride, int rows_valid, int cols_valid,
                                           int tid) {
-  load_tile_rows<kRows, kCols, kThreads, kTranspose>(
+  load_tile_rows<kRows, kCols, kThreads>(
       smem, ld, [&](int r) { return gmem + r * row_stride; }, rows_valid, cols_valid, tid);
 }
 
@@ -115,27 +105,24 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 // A tile for the atom's kernels: by cp.async where the GPU has it (landing after
-// cp_async_wait_all), else by plain loads (kTranspose: stored transposed, plain loads only).
-// kGather: row_ptr reads memory (load_tile_async_rows).
-template <class Atom, int kRows, int kCols, int kThreads, bool kTranspose = false,
-          bool kGather = false, class RowPtr>
+// cp_async_wait_all), else by plain loads. kGather: row_ptr reads memory (load_tile_async_rows).
+template <class Atom, int kRows, int kCols, int kThreads, bool kGather = false, class RowPtr>
 __device__ __forceinline__ void stage_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                 const uint16_t* fallback, int rows_valid,
                                                 int cols_valid, int tid) {
-  if constexpr (Atom::kAsyncCopy && !kTranspose) {
+  if constexpr (Atom::kAsyncCopy) {
     load_tile_async_rows<kRows, kCols, kThreads, kGather>(smem, ld, row_ptr, fallback,
                                                           rows_valid, cols_valid, tid);
   } else {
-    load_tile_rows<kRows, kCols, kThreads, kTranspose>(smem, ld, row_ptr, rows_valid, cols_valid,
-                                                       tid);
+    load_tile_rows<kRows, kCols, kThreads>(smem, ld, row_ptr, rows_valid, cols_valid, tid);
   }
 }
 
-template <class Atom, int kRows, int kCols, int kThreads, bool kTranspose = false>
+template <class Atom, int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void stage_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                            int64_t row_stride, int rows_valid, int cols_valid,
                                            int tid) {
-  stage_tile_rows<Atom, kRows, kCols, kThreads, kTranspose>(
+  stage_tile_rows<Atom, kRows, kCols, kThreads>(
       smem, ld, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
 }
 

@@ -8,25 +8,21 @@ namespace flashv100 {
 namespace kern {
 
 // A 16-bit matrix in shared memory, row-major with leading dimension `ld` (elements), read as a
-// GEMM operand X(m, k). kKContiguous: X(m, k) = base[m * ld + k] (pairs along k are one 32-bit
-// load); otherwise the operand is the transpose of the stored matrix, X(m, k) = base[k * ld + m].
+// GEMM operand X(m, k). kKContiguous: X(m, k) = base[m * ld + k]; otherwise the operand is the
+// transpose of the stored matrix, X(m, k) = base[k * ld + m]. The atoms load their fragments
+// from either (mma_atoms.cuh).
 template <bool kKContiguous_>
 struct SmemOperand {
   static constexpr bool kKContiguous = kKContiguous_;
   const uint16_t* base;
   int ld;
 
-  // Address of X(m, k).
+  // Address of X(m, k), and its offset from base in elements.
   __device__ __forceinline__ const uint16_t* at(int m, int k) const {
     return kKContiguous ? base + m * ld + k : base + k * ld + m;
   }
-  __device__ __forceinline__ uint32_t pair(int m, int k) const {
-    if constexpr (kKContiguous) {
-      return *reinterpret_cast<const uint32_t*>(base + m * ld + k);
-    } else {
-      return static_cast<uint32_t>(base[k * ld + m]) |
-             (static_cast<uint32_t>(base[(k + 1) * ld + m]) << 16);
-    }
+  __device__ __forceinline__ int offset(int m, int k) const {
+    return kKContiguous ? m * ld + k : k * ld + m;
   }
   // The operand starting at row m0 (m is the non-reduced dimension).
   __device__ __forceinline__ SmemOperand rows_from(int m0) const {
@@ -109,11 +105,11 @@ struct BoundsChecked {
   static constexpr bool value = kChecked;
 };
 
-// acc += A(:, k0:k0+kK) * B(k0:k0+kK, :) for A fragments already in registers: B fragments of
-// the warp tile's columns. kChecked: skip column fragments at or beyond n_extent (head-dim
-// padding), one branch per fragment; unchecked (the whole tile in range), ldmatrix atoms load
-// the B fragments of two column fragments with one instruction.
-template <class Atom, class Elem, bool kChecked, class Acc, class BOp>
+// acc += A(:, k0:k0+kK) * B(k0:k0+kK, :) for A fragments already in registers (in the layout of
+// an AOp operand): B fragments of the warp tile's columns. kChecked: skip column fragments at or
+// beyond n_extent (head-dim padding), one branch per fragment; unchecked (the whole tile in
+// range), ldmatrix atoms load the B fragments of two column fragments with one instruction.
+template <class Atom, class Elem, bool kChecked, class AOp, class Acc, class BOp>
 __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::kFragM][Atom::kARegs],
                                            const BOp& b, int k0, int n_extent, int lane) {
   if constexpr (!kChecked && Atom::kLdmatrix && Acc::kFragN % 2 == 0) {
@@ -125,7 +121,7 @@ __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::k
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int fm = 0; fm < Acc::kFragM; ++fm)
-          Atom::template mma<Elem>(acc.c[fm][fn + j], af[fm], bf[j]);
+          Atom::template mma<Elem, AOp, BOp>(acc.c[fm][fn + j], af[fm], bf[j]);
     }
     return;
   }
@@ -133,46 +129,44 @@ __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::k
   for (int fn = 0; fn < Acc::kFragN; ++fn) {
     if (kChecked && fn * Atom::kN >= n_extent) continue;
     uint32_t bf[Atom::kBRegs];
-    if constexpr (Atom::kLdmatrix) {
-      Atom::load_b(b, fn * Atom::kN, k0, lane, bf);
-    } else {
+    Atom::load_b(b, fn * Atom::kN, k0, lane, bf);
 #pragma unroll
-      for (int j = 0; j < Atom::kBRegs; ++j)
-        bf[j] = b.pair(fn * Atom::kN + Atom::b_col(lane, j), k0 + Atom::b_k(lane, j));
-    }
-#pragma unroll
-    for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::template mma<Elem>(acc.c[fm][fn], af[fm], bf);
+    for (int fm = 0; fm < Acc::kFragM; ++fm)
+      Atom::template mma<Elem, AOp, BOp>(acc.c[fm][fn], af[fm], bf);
   }
 }
 
-// acc += A * B with A(m, k) over the warp tile's rows and B addressed as (n, k) over its columns.
-// Fragments come pair by pair through the atom's coordinate map, or from the atom's own loader.
-// k_extent (a multiple of Atom::kK, at most kMaxK) and n_extent bound the reduction and the
-// columns (head-dim padding). With ldmatrix, a product whose extents cover the whole tile (the
-// head dim equal to its bucket, and every product over keys or query rows) runs as one straight
-// block without per-step or per-fragment exits, in which the scheduler overlaps each step's
-// fragment loads with the previous step's MMAs; otherwise the loop is unrolled over kMaxK with an
-// exit per step. The pair-by-pair loads (Volta) need too many registers for unrolling.
+// acc += A * B with A(m, k) over the warp tile's rows and B addressed as (n, k) over its columns,
+// fragments loaded by the atom. k_extent (a multiple of Atom::kK, at most kMaxK) and n_extent
+// bound the reduction and the columns (head-dim padding). A product whose extents cover the whole
+// tile (the head dim equal to its bucket, and every product over keys or query rows) runs without
+// per-step or per-fragment exits; otherwise each step and fragment is checked. With ldmatrix the
+// loop is unrolled whole, so that the scheduler overlaps each step's fragment loads with the
+// previous step's MMAs. Volta's steps (k 4) are unrolled as far as the fragments of the unrolled
+// steps fit kVoltaFragmentRegs registers (a power of two of steps): without it, address math and
+// the loop's branch issue beside every step's 8 MMAs, and sm_70 issues one MMA in two cycles
+// (scripts/sass_loops.py). More registers spill (scripts/nvrtc_gate.py). On sm_80+ the Volta atom
+// is only the correctness path, its MMAs emulated in more registers: there it keeps the checked
+// loop alone, not unrolled (else its kernels spill).
+constexpr __host__ __device__ int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
+constexpr bool kVoltaNative = !FLASHV100_SM80;
+constexpr int kVoltaFragmentRegs = 32;
 template <class Atom, class Elem, int kMaxK, bool kStraight = true, class Acc, class AOp, class BOp>
 __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
                                           int n_extent, int lane) {
-  constexpr int kUnroll = Atom::kLdmatrix ? kMaxK / Atom::kK : 1;
+  constexpr int kSteps = kMaxK / Atom::kK;
+  constexpr int kStepRegs = Acc::kFragM * Atom::kARegs + Acc::kFragN * Atom::kBRegs;
+  constexpr int kVoltaUnroll = kVoltaNative ? floor_pow2(kVoltaFragmentRegs / kStepRegs) : 1;
+  constexpr int kUnroll = Atom::kLdmatrix || kSteps < kVoltaUnroll ? kSteps : kVoltaUnroll;
   const auto k_step = [&](int k0, auto checked) {
     uint32_t af[Acc::kFragM][Atom::kARegs];
 #pragma unroll
-    for (int fm = 0; fm < Acc::kFragM; ++fm) {
-      if constexpr (Atom::kLdmatrix) {
-        Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < Atom::kARegs; ++j)
-          af[fm][j] = a.pair(fm * Atom::kM + Atom::a_row(lane, j), k0 + Atom::a_col(lane, j));
-      }
-    }
-    mma_k_step<Atom, Elem, decltype(checked)::value>(acc, af, b, k0, n_extent, lane);
+    for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
+    mma_k_step<Atom, Elem, decltype(checked)::value, AOp>(acc, af, b, k0, n_extent, lane);
   };
-  if (kStraight && Atom::kLdmatrix && k_extent == kMaxK && n_extent >= Acc::kFragN * Atom::kN) {
-#pragma unroll
+  if (kStraight && (Atom::kLdmatrix || kVoltaNative) && k_extent == kMaxK &&
+      n_extent >= Acc::kFragN * Atom::kN) {
+#pragma unroll kUnroll
     for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) k_step(k0, BoundsChecked<false>{});
     return;
   }
@@ -197,7 +191,8 @@ __device__ __forceinline__ void warp_gemm_accum_a(Acc& acc, const AAcc& a, const
 #pragma unroll
       for (int fm = 0; fm < Acc::kFragM; ++fm)
         Atom::template a_from_accum<Elem>(a.c[fm][2 * kk], a.c[fm][2 * kk + 1], af[fm]);
-      mma_k_step<Atom, Elem, decltype(checked)::value>(acc, af, b, kk * Atom::kK, n_extent, lane);
+      mma_k_step<Atom, Elem, decltype(checked)::value, KMajor>(acc, af, b, kk * Atom::kK,
+                                                               n_extent, lane);
     }
   };
   if (n_extent >= Acc::kFragN * Atom::kN) {
