@@ -30,7 +30,7 @@ using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
 using FlashForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, c10::SymInt, c10::SymInt, double, double, bool, int64_t,
-    int64_t, double, const std::optional<at::Tensor>&);
+    int64_t, double, const std::optional<at::Tensor>&, bool);
 using FlashBackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -112,9 +112,8 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 };
 
-// The FlashAttention-2 functions' `deterministic=True` goes through a Python autograd.Function
-// (torch_flash_v100/_flash_ops.py) that calls this op with grad disabled; here the backward is
-// deterministic under torch.use_deterministic_algorithms.
+// The backward is deterministic when the forward was asked for it (the FlashAttention-2
+// functions' `deterministic=True`) or under torch.use_deterministic_algorithms.
 struct FlashFunction : public torch::autograd::Function<FlashFunction> {
   static constexpr bool is_traceable = true;
 
@@ -125,14 +124,14 @@ struct FlashFunction : public torch::autograd::Function<FlashFunction> {
                                c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                                double dropout_p, double softmax_scale, bool causal,
                                int64_t window_left, int64_t window_right, double softcap,
-                               const std::optional<at::Tensor>& alibi_slopes) {
+                               const std::optional<at::Tensor>& alibi_slopes, bool deterministic) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("flashv100::_flash_forward", "")
                          .typed<FlashForwardOp>();
     const auto [out, lse, rng_state] =
         call_forward(ctx, op, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-                     softcap, alibi_slopes);
+                     softcap, alibi_slopes, deterministic);
     ctx->save_for_backward({query, key, value, out, lse, rng_state,
                             cu_seqlens_q.value_or(at::Tensor()),
                             cu_seqlens_k.value_or(at::Tensor()),
@@ -145,6 +144,7 @@ struct FlashFunction : public torch::autograd::Function<FlashFunction> {
     ctx->saved_data["window_left"] = window_left;
     ctx->saved_data["window_right"] = window_right;
     ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["deterministic"] = deterministic;
     return {out, lse, rng_state};
   }
 
@@ -152,7 +152,7 @@ struct FlashFunction : public torch::autograd::Function<FlashFunction> {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("flashv100::_flash_backward", "")
                          .typed<FlashBackwardOp>();
-    if (!grads[0].defined()) return variable_list(14);  // out took no gradient: all zero
+    if (!grads[0].defined()) return variable_list(15);  // out took no gradient: all zero
     const variable_list saved = ctx->get_saved_variables();
     auto& data = ctx->saved_data;
     // The kernels read rows of grad_out (the expanded gradient of out.sum() has stride 0).
@@ -164,9 +164,10 @@ struct FlashFunction : public torch::autograd::Function<FlashFunction> {
                      data["softmax_scale"].toDouble(), data["causal"].toBool(),
                      data["window_left"].toInt(), data["window_right"].toInt(),
                      data["softcap"].toDouble(), optional_of(saved[8]),
-                     at::globalContext().deterministicAlgorithms());
+                     data["deterministic"].toBool() ||
+                         at::globalContext().deterministicAlgorithms());
     });
-    variable_list result(14);
+    variable_list result(15);
     result[0] = grad_query;
     result[1] = grad_key;
     result[2] = grad_value;
@@ -188,11 +189,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_autograd(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, bool deterministic) {
   const variable_list outputs = FlashFunction::apply(
       query, key, value, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
       std::move(max_seqlen_k), dropout_p, softmax_scale, causal, window_left, window_right,
-      softcap, alibi_slopes);
+      softcap, alibi_slopes, deterministic);
   return {outputs[0], outputs[1], outputs[2]};
 }
 

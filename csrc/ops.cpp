@@ -184,12 +184,15 @@ TORCH_LIBRARY(flashv100, m) {
   // [B, Sq, Hq, D] and key/value [B, Sk, Hkv, D], or packed [total, H, D] with cu_seqlens_q/k
   // (int32 [B + 1]) and max_seqlen_q/k; bottom-right causal, window (-1: unbounded), softcap
   // (0: off), ALiBi slopes (fp32 [Hq] or [B, Hq]). softmax_lse: fp32 [B, Hq, Sq], or [Hq, total_q]
-  // for varlen. Same kernels as _attention_forward (common/params.h).
+  // for varlen. Same kernels as _attention_forward (common/params.h). deterministic: the
+  // backward its autograd records is (also under torch.use_deterministic_algorithms); the
+  // forward always is.
   m.def(
       "_flash_forward(Tensor query, Tensor key, Tensor value, Tensor? cu_seqlens_q, "
       "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
       "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
-      "Tensor? alibi_slopes) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
+      "Tensor? alibi_slopes, bool deterministic=False) -> (Tensor out, Tensor softmax_lse, "
+      "Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "_flash_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "

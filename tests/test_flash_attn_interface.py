@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_flash_v100 as flash
 from torch_flash_v100 import flash_attn_interface as fa
@@ -190,6 +191,40 @@ def test_deterministic_backward_is_bitwise_reproducible():
         results.append(grads(out, (q, k, v), torch.ones_like(out)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+class _FlashBackwardCalls(TorchDispatchMode):
+    """Records the `deterministic` argument of every flashv100._flash_backward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.deterministic = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.flashv100._flash_backward.default:
+            self.deterministic.append(args[18])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("deterministic, global_flag", [(False, False), (True, False),
+                                                        (False, True)])
+def test_deterministic_reaches_the_backward(varlen, deterministic, global_flag):
+    q, k, v = dense_qkv(2, 9, 9, 2, 2, 8, torch.float32)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(global_flag)
+    try:
+        if varlen:
+            cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+            out = fa.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu,
+                                            cu, 9, 9, deterministic=deterministic)
+        else:
+            out = fa.flash_attn_func(q, k, v, deterministic=deterministic)
+        with _FlashBackwardCalls() as calls:
+            out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert calls.deterministic == [deterministic or global_flag]
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])

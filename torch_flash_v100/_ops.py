@@ -53,7 +53,7 @@ def _lse_shape(query: torch.Tensor, cu_seqlens_q) -> tuple:
 @torch.library.register_fake("flashv100::_flash_forward")
 def _flash_forward_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                        alibi_slopes):
+                        alibi_slopes, deterministic=False):
     out = torch.empty_like(query)
     lse = query.new_empty(_lse_shape(query, cu_seqlens_q), dtype=_lse_dtype(query))
     rng_state = query.new_empty((2,), dtype=torch.int64)

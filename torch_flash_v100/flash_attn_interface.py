@@ -29,7 +29,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._flash_ops import DeterministicFlashAttention
 from .reference import flash_scores
 
 __all__ = [
@@ -47,13 +46,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     window_left, window_right = window_size
-    # The op's autograd formula is C++; deterministic=True needs a Python one.
-    forward = (DeterministicFlashAttention.apply if deterministic
-               else torch.ops.flashv100._flash_forward)
-    out, softmax_lse, rng_state = forward(
+    out, softmax_lse, rng_state = torch.ops.flashv100._flash_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p),
         float(softmax_scale), bool(causal), int(window_left), int(window_right), float(softcap),
-        alibi_slopes)
+        alibi_slopes, bool(deterministic))
     if not return_attn_probs:
         return out
     probs = _attention_probs(q, k, softmax_lse, rng_state, cu_seqlens_q, cu_seqlens_k,

@@ -112,7 +112,7 @@ def _slopes(alibi_slopes, kind: str):
 
 def _flash_forward_rules(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                         window_right, softcap, alibi_slopes):
+                         window_right, softcap, alibi_slopes, deterministic=False):
     cu = [_replicated(cu_seqlens_q), _replicated(cu_seqlens_k)]
     rules = [([Replicate()] * 3,
               [Replicate()] * 3 + cu + [None] * 8 + [_replicated(alibi_slopes)])]

@@ -207,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_cuda(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, bool /*deterministic: the backward's*/) {
   constexpr const char* op = "flashv100._flash_forward";
   const ContiguousFlashArgs inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
