@@ -89,7 +89,8 @@ def counted_trips(body: list[Instruction], branch: Instruction) -> int | None:
     if not m:
         return None
     for ins in body:
-        step = re.fullmatch(rf"\s*{m.group(1)}, {m.group(1)}(?:\.reuse)?, (0x[0-9a-f]+)(?:, RZ)?\s*",
+        counter = m.group(1)
+        step = re.fullmatch(rf"\s*{counter}, {counter}(?:\.reuse)?, (0x[0-9a-f]+)(?:, RZ)?\s*",
                             ins.operands)
         if ins.opcode == "IADD3" and step:
             return -(-int(m.group(2), 16) // int(step.group(1), 16))
@@ -105,7 +106,8 @@ def loops_of(code: list[Instruction]) -> list[Loop]:
             branches.append(ins)
     for loop, branch in zip(loops, branches):
         # The loop's own counter: instructions of the loops nested in it do not count.
-        nested = [lp for lp in loops if lp is not loop and loop.holds(lp.start) and loop.holds(lp.end)]
+        nested = [lp for lp in loops
+                  if lp is not loop and loop.holds(lp.start) and loop.holds(lp.end)]
         loop.trips = counted_trips([i for i in code if loop.holds(i.address)
                                     and not any(lp.holds(i.address) for lp in nested)], branch)
     return loops
@@ -167,7 +169,9 @@ def weighted_mix(code: list[Instruction], outer: Loop, loops: list[Loop], mma: s
         target = branch_target(last)
         if target is not None and target > last.address and outer.holds(target):
             successors.append(target)
-        unconditional = target is not None and last.guard is None and "P" not in last.operands.split("0x")[0]
+        # A branch without a guard and without a predicate operand ("BRA P5, 0x...") always jumps.
+        unconditional = (target is not None and last.guard is None
+                         and "P" not in last.operands.split("0x")[0])
         if last.opcode not in ("EXIT", "RET") and not unconditional and n + 1 < len(blocks):
             successors.append(blocks[n + 1][0].address)
         for address in successors:
@@ -221,7 +225,8 @@ def main() -> int:
     parser.add_argument("--kernel", default="", help="regex over the demangled kernel names")
     parser.add_argument("--sass", help="read this cuobjdump -sass output instead of compiling")
     parser.add_argument("--save-sass", help="also write the disassembly here")
-    parser.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump"))
+    parser.add_argument("--cuobjdump",
+                        default=os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump"))
     args = parser.parse_args()
     if args.sass:
         with open(args.sass, encoding="utf-8") as f:

@@ -142,13 +142,17 @@ bool run_case(int k_extent, int n_extent, std::mt19937& rng) {
   for (double& x : a) x = eighths(rng) / 8.0;
   for (double& x : b) x = eighths(rng) / 8.0;
   const int lda = kAK ? kMaxK + kPad : kRows + kPad, ldb = kBK ? kMaxK + kPad : kCols + kPad;
-  std::vector<uint16_t> sa((kAK ? kRows : kMaxK) * lda, 0x7e00), sb((kBK ? kCols : kMaxK) * ldb, 0x7e00);
+  // NaN in every element the operands do not define (row padding): reading one fails the case.
+  std::vector<uint16_t> sa((kAK ? kRows : kMaxK) * lda, 0x7e00);
+  std::vector<uint16_t> sb((kBK ? kCols : kMaxK) * ldb, 0x7e00);
   for (int m = 0; m < kRows; ++m)
     for (int k = 0; k < kMaxK; ++k)
-      sa[kAK ? m * lda + k : k * lda + m] = float_to_half_exact(static_cast<float>(a[m * kMaxK + k]));
+      sa[kAK ? m * lda + k : k * lda + m] =
+          float_to_half_exact(static_cast<float>(a[m * kMaxK + k]));
   for (int k = 0; k < kMaxK; ++k)
     for (int n = 0; n < kCols; ++n)
-      sb[kBK ? n * ldb + k : k * ldb + n] = float_to_half_exact(static_cast<float>(b[k * kCols + n]));
+      sb[kBK ? n * ldb + k : k * ldb + n] =
+          float_to_half_exact(static_cast<float>(b[k * kCols + n]));
 
   std::vector<float> out(kRows * kCols, -1000.0f);
   std::vector<int> writes(kRows * kCols, 0);

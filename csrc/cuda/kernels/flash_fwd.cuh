@@ -3,8 +3,9 @@
 // in fp32 on the accumulator map. P becomes the A operand of P.V in registers where the atom's
 // layouts allow it (kAccumIsA), else through a warp-private shared tile (Volta). K and V are
 // stored as they come (rows of keys); each atom reads V as the B operand in its own way
-// (ldmatrix.trans, or Volta's row-major B fragments). Loads are issued one stage ahead: V of a tile while S is computed, K of
-// the next tile while P.V runs (asynchronous with cp.async; on Volta the same order, synchronous);
+// (ldmatrix.trans, or Volta's row-major B fragments). Loads are issued one stage ahead: V of a
+// tile while S is computed, K of the next tile while P.V runs (asynchronous with cp.async; on
+// Volta the same order, synchronous);
 // tiles with two K/V buffers (configs.cuh, kKVStages) load the next tile's K and V while the
 // current one is computed. Key-split tiles (the decode tile, kKeyWarps): each warp takes a slice of
 // every key tile for the same rows, and the warps' partial rows are merged at the end as split-KV
