@@ -145,18 +145,16 @@ __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::k
 // previous step's MMAs. Volta's steps (k 4) are unrolled as far as the fragments of the unrolled
 // steps fit kVoltaFragmentRegs registers (a power of two of steps): without it, address math and
 // the loop's branch issue beside every step's 8 MMAs, and sm_70 issues one MMA in two cycles
-// (scripts/sass_loops.py). More registers spill (scripts/nvrtc_gate.py). On sm_80+ the Volta atom
-// is only the correctness path, its MMAs emulated in more registers: there it keeps the checked
-// loop alone, not unrolled (else its kernels spill).
+// (scripts/sass_loops.py). More registers spill (scripts/nvrtc_gate.py). The Volta atom runs the
+// same code on sm_80+, its correctness path, so that the GPU suite there tests what a V100 runs.
 constexpr __host__ __device__ int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
-constexpr bool kVoltaNative = !FLASHV100_SM80;
 constexpr int kVoltaFragmentRegs = 32;
 template <class Atom, class Elem, int kMaxK, bool kStraight = true, class Acc, class AOp, class BOp>
 __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
                                           int n_extent, int lane) {
   constexpr int kSteps = kMaxK / Atom::kK;
   constexpr int kStepRegs = Acc::kFragM * Atom::kARegs + Acc::kFragN * Atom::kBRegs;
-  constexpr int kVoltaUnroll = kVoltaNative ? floor_pow2(kVoltaFragmentRegs / kStepRegs) : 1;
+  constexpr int kVoltaUnroll = floor_pow2(kVoltaFragmentRegs / kStepRegs);
   constexpr int kUnroll = Atom::kLdmatrix || kSteps < kVoltaUnroll ? kSteps : kVoltaUnroll;
   const auto k_step = [&](int k0, auto checked) {
     uint32_t af[Acc::kFragM][Atom::kARegs];
@@ -164,8 +162,7 @@ __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, 
     for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
     mma_k_step<Atom, Elem, decltype(checked)::value, AOp>(acc, af, b, k0, n_extent, lane);
   };
-  if (kStraight && (Atom::kLdmatrix || kVoltaNative) && k_extent == kMaxK &&
-      n_extent >= Acc::kFragN * Atom::kN) {
+  if (kStraight && k_extent == kMaxK && n_extent >= Acc::kFragN * Atom::kN) {
 #pragma unroll kUnroll
     for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) k_step(k0, BoundsChecked<false>{});
     return;
