@@ -75,11 +75,19 @@ struct FwdTile {
   static constexpr int kKVStages = Atom::kAsyncCopy && kHeadDim == 128 ? 2 : 1;
 };
 
-// The Volta atom's decode tile at head dim 256 would spill (its B fragments and transposed V
-// staging): the prefill tile runs there.
+// The Volta atom's decode tile at head dim 256 spilled (its B fragments, and V then staged
+// transposed; not tried since V is staged as loaded): the prefill tile runs there.
 template <class Atom>
 constexpr __host__ __device__ bool has_decode_tile(int head_dim_bucket) {
   return !(Atom::kNativeArch < 800 && head_dim_bucket == 256);
+}
+
+// An atom compiled for a newer arch than its own: the Volta atom on sm_80+, its correctness path
+// there, where its MMAs are emulated in more registers. Its kernels ask ptxas for one block per
+// SM rather than spill to fit more.
+template <class Atom>
+constexpr __host__ __device__ bool runs_emulated() {
+  return Atom::kNativeArch < 800 && FLASHV100_SM80;
 }
 
 // The decode tile appends a step's new K/V rows itself (KVNewRows) up to head dim 128; at 256 the
@@ -139,15 +147,15 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   static constexpr int kSmemBytes =
       (kPOffset + kPElems) * 2 > kMergeBytes ? (kPOffset + kPElems) * 2 : kMergeBytes;
   static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "forward tile exceeds shared memory");
-  // Resident blocks per SM asked of ptxas (0: its choice). The Volta atom on sm_80+ (its
-  // correctness path there) asks for 1: else ptxas spills its general variant to fit a third block.
+  // Resident blocks per SM asked of ptxas (0: its choice). An emulated atom asks for 1: else ptxas
+  // spills the Volta atom's general variant on sm_80+ to fit a third block.
   // The plain decode tile at head dim 128 with asynchronous copies asks for 3 (168 registers):
   // decoding is bound by the loads in flight, and ptxas' own choice for the paged kernel held 2
   // blocks per SM (its general variant, and the paged one at head dim 64, spill at 3;
   // scripts/nvrtc_gate.py).
 #if defined(__CUDA_ARCH__)
   static constexpr int kMinBlocks =
-      Atom::kNativeArch < 800 && __CUDA_ARCH__ >= 800 ? 1
+      runs_emulated<Atom>() ? 1
       : kShape == FwdShape::kDecode && Atom::kAsyncCopy && kVariant == Variant::kPlain &&
               kHeadDim_ == 128
           ? 3

@@ -514,15 +514,11 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
 }
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.
-// The general variants (above 128 registers on Volta anyway), and the Volta atom on sm_80+ (its
-// correctness path there, MMAs emulated in more registers), ask for one block per SM: else ptxas
-// may spill them to fit two.
+// The general variants (above 128 registers on Volta anyway) and emulated atoms ask for one block
+// per SM: else ptxas may spill them to fit two (the Volta head-dim-64 dropout variant on sm_80).
 template <class Atom, class Elem, int kHeadDim, Variant kVariant>
 __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
-                                  is_general(kVariant) ||
-                                          (Atom::kNativeArch < 800 && FLASHV100_SM80)
-                                      ? 1
-                                      : 0)
+                                  is_general(kVariant) || runs_emulated<Atom>() ? 1 : 0)
     flash_bwd_dq_kernel(const BackwardParams p, const float* dsum) {
   using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;

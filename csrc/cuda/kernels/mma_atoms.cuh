@@ -50,7 +50,7 @@ struct VoltaAtom {
   }
 
   // Fragments of quad pair q: A rows 8 (q & 1) and B columns 8 (q >> 1) of the 16x16 block. The
-  // layout follows the operand's storage, so every register is one 32-bit shared-memory load:
+  // layout follows the operand's storage, so every fragment is one 64-bit shared-memory load:
   // k-contiguous A is "row" (a lane holds one row, k 0-3), otherwise "col" (one k, four rows);
   // k-contiguous B is "col" (one column, k 0-3), otherwise "row" (one k, four columns).
   template <class Op>
@@ -96,7 +96,7 @@ struct VoltaAtom {
   // fragment at (x0, k0): at (x0 + x, k0..k0+3) of a k-contiguous operand (x = x_quad + lane % 4:
   // row of A or column of B), or at (x0 + x_quad..x0 + x_quad + 3, k0 + lane % 4) otherwise.
   // The lane's part of the offset is apart, so that the fragment's folds into the load's
-  // immediate. Operands start 8-byte aligned with even ld.
+  // immediate. Operands start 8-byte aligned, with ld a multiple of 4.
   template <class Op>
   static __device__ __forceinline__ void load_quad(const Op& op, int x0, int x_quad, int k0,
                                                    int lane, uint32_t (&r)[2]) {

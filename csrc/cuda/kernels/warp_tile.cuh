@@ -17,7 +17,8 @@ struct SmemOperand {
   const uint16_t* base;
   int ld;
 
-  // Address of X(m, k), and its offset from base in elements.
+  // Address of X(m, k), and its offset from base in elements. at() keeps its own pointer steps:
+  // written as base + offset(), the Ampere kernels' ldmatrix address math compiles differently.
   __device__ __forceinline__ const uint16_t* at(int m, int k) const {
     return kKContiguous ? base + m * ld + k : base + k * ld + m;
   }
