@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GATE_SOURCE = os.path.join(REPO, "csrc", "cuda", "kernels", "nvrtc_gate.cu")
 SM70_SMEM_LIMIT = 96 * 1024
 
 
@@ -99,6 +100,13 @@ def demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, out.splitlines())) if out else {n: n for n in names}
 
 
+def kernel_names(symbols: list[str]) -> dict[str, str]:
+    """Demangled names without the namespaces, so that the template arguments (the tile shape
+    last) fit a line."""
+    return {key: name.replace("flashv100::kern::", "").replace("flashv100::", "")
+            for key, name in demangle(symbols).items()}
+
+
 def parse_ptxas(log: str) -> dict[str, KernelReport]:
     kernels: dict[str, KernelReport] = {}
     current = None
@@ -128,7 +136,7 @@ def parse_ptxas(log: str) -> dict[str, KernelReport]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", help="sm_XX (repeatable); default sm_70, sm_80")
-    parser.add_argument("--source", default=os.path.join(REPO, "csrc", "cuda", "kernels", "nvrtc_gate.cu"))
+    parser.add_argument("--source", default=GATE_SOURCE)
     parser.add_argument("--include", default=os.path.join(REPO, "csrc"))
     parser.add_argument("--log", help="write the full NVRTC logs here")
     args = parser.parse_args()
@@ -148,9 +156,7 @@ def main() -> int:
         if not kernels:
             failures.append(f"{arch}: no kernel compiled (the gate would be a no-op)")
             continue
-        # Without the namespaces, so that the template arguments (the tile shape last) fit.
-        names = {key: name.replace("flashv100::kern::", "").replace("flashv100::", "")
-                 for key, name in demangle(list(kernels)).items()}
+        names = kernel_names(list(kernels))
         print(f"\n{arch}: {len(kernels)} kernels")
         print(f"{'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>7}  kernel")
         for key, k in sorted(kernels.items(), key=lambda kv: names[kv[0]]):

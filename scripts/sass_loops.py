@@ -220,8 +220,7 @@ def sass_of(arch: str, source: str, cuobjdump: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_70", choices=sorted(CYCLES_PER_MMA))
-    parser.add_argument("--source", default=os.path.join(nvrtc_gate.REPO, "csrc", "cuda",
-                                                         "kernels", "nvrtc_gate.cu"))
+    parser.add_argument("--source", default=nvrtc_gate.GATE_SOURCE)
     parser.add_argument("--kernel", default="", help="regex over the demangled kernel names")
     parser.add_argument("--sass", help="read this cuobjdump -sass output instead of compiling")
     parser.add_argument("--save-sass", help="also write the disassembly here")
@@ -239,10 +238,10 @@ def main() -> int:
             with open(args.save_sass, "w", encoding="utf-8") as f:
                 f.write(sass)
     functions = parse_functions(sass)
-    names = nvrtc_gate.demangle(list(functions))
+    names = nvrtc_gate.kernel_names(list(functions))
     shown = 0
     for key in sorted(functions, key=lambda k: names[k]):
-        name = names[key].replace("flashv100::kern::", "").replace("flashv100::", "")
+        name = names[key]
         if not re.search(args.kernel, name):
             continue
         text = report(name, functions[key], args.arch)
