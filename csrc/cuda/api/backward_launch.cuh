@@ -42,13 +42,27 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
                                                                                       dq_ws);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V>;
-    set_smem(dkdv, Cfg::kSmemBytes);
-    debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
-                 Cfg::kThreads, Cfg::kSmemBytes);
-    const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
-    dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
+    // Two query-side buffers where the device's shared memory holds them (configs.cuh).
+    const auto launch_dkdv = [&](auto stages) {
+      constexpr int kStages = decltype(stages)::value;
+      using StagedCfg = kern::BwdConfig<Atom, D, V, kStages>;
+      const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages>;
+      set_smem(dkdv, StagedCfg::kSmemBytes);
+      debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
+                   Cfg::kThreads, StagedCfg::kSmemBytes);
+      const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
+      dkdv<<<kv_grid, Cfg::kThreads, StagedCfg::kSmemBytes, stream>>>(
+          p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
+    };
+    if constexpr (Atom::kAsyncCopy) {
+      if (kern::BwdConfig<Atom, D, V, 2>::kSmemBytes <= device_smem_optin()) {
+        launch_dkdv(std::integral_constant<int, 2>{});
+      } else {
+        launch_dkdv(std::integral_constant<int, 1>{});
+      }
+    } else {
+      launch_dkdv(std::integral_constant<int, 1>{});
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     if (p.deterministic) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -105,6 +106,11 @@ int kernel_fact(const void* kernel, KernelFact fact, Ask&& ask) {
   const int value = ask();  // unlocked: an answer may ask another fact
   const std::lock_guard<std::mutex> lock(known.mutex);
   return known.values.emplace(key, value).first->second;
+}
+
+// Dynamic shared memory a block of the current device can opt into.
+inline int device_smem_optin() {
+  return static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
 }
 
 // Opts a kernel into > 48 KB of dynamic shared memory.

@@ -163,9 +163,16 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
 #else
   static constexpr int kMinBlocks = 0;
 #endif
-  // Paged kernels ask for one block where kMinBlocks asks for none: else ptxas spills the
-  // general variant's page addressing to fit a third (scripts/nvrtc_gate.py).
-  static constexpr int min_blocks(bool paged) { return paged && kMinBlocks == 0 ? 1 : kMinBlocks; }
+  // Where kMinBlocks asks for none: paged kernels ask for one block, else ptxas spills the
+  // general variant's page addressing to fit a third; the contiguous decode tile at head dim 32
+  // asks for 4 (at most 128 registers), where ptxas' own choice, 96, spilled 4-8 bytes (Volta
+  // plain on sm_70, Ampere masked on sm_80; scripts/nvrtc_gate.py).
+  static constexpr int min_blocks(bool paged) {
+    return kMinBlocks != 0                             ? kMinBlocks
+           : paged                                     ? 1
+           : kShape == FwdShape::kDecode && kHeadDim_ == 32 ? 4
+                                                       : 0;
+  }
 };
 
 // Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N] (over the
@@ -195,10 +202,19 @@ template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8
 template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
 
-template <class Atom, int kHeadDim_, Variant kVariant>
+// Query-side buffers (Q, dO) of the dK/dV kernel: with two (cp.async only) the next step's Q and
+// dO load during the whole step and a step takes two block barriers instead of three
+// (flash_bwd.cuh). Two exceed the 99 KB of sm_86/89 from head dim 64 on, so the launcher picks
+// them by the device's shared-memory opt-in (at most sm_80's 163 KB is asked for).
+constexpr int kBwdQStagesSmemBytes = 163 * 1024;
+
+template <class Atom, int kHeadDim_, Variant kVariant, int kQStages_ = 1>
 struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain> {
   using T = BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain>;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kQStages = kQStages_;
+  static_assert(kQStages == 1 || (kQStages == 2 && Atom::kAsyncCopy),
+                "two query-side buffers need cp.async");
   static constexpr bool kGeneral = is_general(kVariant);
   static constexpr bool kDropout = has_dropout(kVariant);
   static constexpr int kThreads = T::kWarps * 32;
@@ -213,20 +229,22 @@ struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain> {
   static constexpr int kQRows = T::kBlockM / (T::kWarps / T::kWarpsNQ);
   static constexpr int kQCols = T::kDqCols / T::kWarpsNQ;
   static constexpr int kQColsFull = kHeadDim / T::kWarpsNQ;  // the dQ-only kernel keeps all of dQ
-  // Shared memory: K, V, Q, dO [rows][head dim]; P, dS [query rows][keys]; per query row lse
-  // (general variant: P's base), D, and for the general variant P's log2 normalizer.
+  // Shared memory: K, V, Q and dO buffers [rows][head dim]; P, dS [query rows][keys]; per query
+  // row lse (general variant: P's base), D, and for the general variant P's log2 normalizer.
   static constexpr int kLdE = kHeadDim + kSmemPad;
   static constexpr int kLdN = T::kBlockN + kSmemPad;
+  static constexpr int kQElems = T::kBlockM * kLdE;  // one Q or dO buffer
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + T::kBlockN * kLdE;
-  static constexpr int kQOffset = kVOffset + T::kBlockN * kLdE;
-  static constexpr int kDOOffset = kQOffset + T::kBlockM * kLdE;
-  static constexpr int kPOffset = kDOOffset + T::kBlockM * kLdE;
+  static constexpr int kQOffset = kVOffset + T::kBlockN * kLdE;  // Q buffers, then dO buffers
+  static constexpr int kDOOffset = kQOffset + kQStages * kQElems;
+  static constexpr int kPOffset = kDOOffset + kQStages * kQElems;
   static constexpr int kDSOffset = kPOffset + T::kBlockM * kLdN;
   static constexpr int kRowVecByteOffset = (kDSOffset + T::kBlockM * kLdN) * 2;
   static constexpr int kRowVecs = kGeneral ? 3 : 2;
   static constexpr int kSmemBytes = kRowVecByteOffset + kRowVecs * T::kBlockM * 4;
-  static_assert(kSmemBytes <= Atom::kMaxSmemBytes, "backward tile exceeds shared memory");
+  static_assert(kSmemBytes <= (kQStages == 1 ? Atom::kMaxSmemBytes : kBwdQStagesSmemBytes),
+                "backward tile exceeds shared memory");
 };
 
 }  // namespace kern

@@ -23,12 +23,13 @@ struct BwdSmem {
   // general variant P's log2 normalizer (BackwardParams::row_log2_norm).
   float *row_base, *dsum, *log2_norm;
 
-  __device__ __forceinline__ explicit BwdSmem(uint4* raw) {
+  // Q and dO are those of query-side buffer `stage` (Cfg::kQStages).
+  __device__ __forceinline__ BwdSmem(uint4* raw, int stage) {
     uint16_t* base = reinterpret_cast<uint16_t*>(raw);
     k = base + Cfg::kKOffset;
     v = base + Cfg::kVOffset;
-    q = base + Cfg::kQOffset;
-    dout = base + Cfg::kDOOffset;
+    q = base + Cfg::kQOffset + stage * Cfg::kQElems;
+    dout = base + Cfg::kDOOffset + stage * Cfg::kQElems;
     p = base + Cfg::kPOffset;
     ds = base + Cfg::kDSOffset;
     row_base = reinterpret_cast<float*>(reinterpret_cast<char*>(raw) + Cfg::kRowVecByteOffset);
@@ -377,37 +378,38 @@ struct DqWorkspace {
   static __host__ __device__ DqWorkspaceRows rows(float* ws, int64_t len_q) {
     return {ws, query_tiles(len_q) * Cfg::kBlockM, Cfg::kHeadDim};
   }
-  // The registers of `warp` for query tile m0 / kBlockM and head-dim chunk `chunk`.
+  // The first register of `lane` of `warp` for query tile m0 / kBlockM and head-dim chunk `chunk`.
   template <class Float>
-  static __device__ __forceinline__ Float* warp_tile(Float* ws, int64_t batch_head, int len_q,
-                                                     int m0, int chunk, int warp) {
+  static __device__ __forceinline__ Float* lane_tile(Float* ws, int64_t batch_head, int len_q,
+                                                     int m0, int chunk, int warp, int lane) {
     const int64_t tile = batch_head * query_tiles(len_q) + m0 / Cfg::kBlockM;
     return ws + tile * kTileFloats +
-           static_cast<int64_t>(chunk * Cfg::kWarps + warp) * kWarpFloats;
+           static_cast<int64_t>(chunk * Cfg::kWarps + warp) * kWarpFloats + lane;
   }
-  // f(fm, fn, i, offset of register (fm, fn, i) of this lane within the warp's registers).
+  // f(fm, fn, i, offset of register (fm, fn, i) from the lane's first one): compile-time offsets,
+  // so that each access is an immediate offset of one address.
   template <class F>
-  static __device__ __forceinline__ void for_each_slot(int lane, F&& f) {
+  static __device__ __forceinline__ void for_each_slot(F&& f) {
 #pragma unroll
     for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
       for (int fn = 0; fn < Acc::kFragN; ++fn)
 #pragma unroll
         for (int i = 0; i < Atom::kCRegs; ++i)
-          f(fm, fn, i, ((fm * Acc::kFragN + fn) * Atom::kCRegs + i) * 32 + lane);
+          f(fm, fn, i, ((fm * Acc::kFragN + fn) * Atom::kCRegs + i) * 32);
   }
 };
 
 // dK, dV for key tile blockIdx.x of (batch, kv head) blockIdx.y; optionally dQ by fp32 atomics
-// into dq_accum (a DqWorkspace). kVariant: see configs.cuh. One block per SM is enough:
-// the tiles are sized to the registers, and without it ptxas may trade spills for a second block.
-template <class Atom, class Elem, int kHeadDim, Variant kVariant>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads, 1)
+// into dq_accum (a DqWorkspace). kVariant: see configs.cuh; kQStages: query-side buffers
+// (BwdConfig). One block per SM is enough: the tiles are sized to the registers, and without it
+// ptxas may trade spills for a second block.
+template <class Atom, class Elem, int kHeadDim, Variant kVariant, int kQStages = 1>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages>::kThreads, 1)
     flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum) {
-  using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kVariant, kQStages>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
   extern __shared__ uint4 smem_raw[];
-  const BwdSmem<Cfg> sm(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const ForwardParams& f = p.fwd;
   const int n0 = blockIdx.x * kBlockN;
@@ -421,7 +423,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   const Dropout dropout(f.dropout);
   const int64_t group = f.shape.heads_q / f.shape.heads_kv;
 
-  load_key_side<Atom>(sm, p, head_ptr(f.k, f.k_strides, b, hk, seq.k_start),
+  load_key_side<Atom>(BwdSmem<Cfg>(smem_raw, 0), p, head_ptr(f.k, f.k_strides, b, hk, seq.k_start),
                       head_ptr(f.v, f.v_strides, b, hk, seq.k_start), vis.len_kv, n0, tid);
 
   using KVAcc = WarpAccum<Atom, Cfg::kKVRows, Cfg::kKVCols>;
@@ -447,9 +449,10 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   };
   int h = row_begin < row_end ? active_head(static_cast<int>(hk * group)) : head_end;
   int m0 = row_begin;
+  int stage = 0;  // the query-side buffer of this step
   QueryRowVectors<Cfg> rows;
   if (h < head_end) {
-    load_query_side<Atom>(sm, rows, p, dsum, seq, b, h, m0, tid);
+    load_query_side<Atom>(BwdSmem<Cfg>(smem_raw, stage), rows, p, dsum, seq, b, h, m0, tid);
   }
   while (h < head_end) {
     int next_h = h, next_m0 = m0 + kBlockM;
@@ -458,9 +461,21 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
       next_m0 = row_begin;
     }
     const BwdHead head(p, seq, b, h);
+    const BwdSmem<Cfg> sm(smem_raw, stage);
+    const int next_stage = (stage + 1) % kQStages;
+    const auto load_next_query_side = [&] {
+      if (next_h < head_end) {
+        load_query_side<Atom>(BwdSmem<Cfg>(smem_raw, next_stage), rows, p, dsum, seq, b, next_h,
+                              next_m0, tid);
+      }
+    };
     cp_async_wait_all();
+    // The row vectors have one buffer: the last step read them before its second barrier.
     rows.commit(sm, tid);
-    __syncthreads();  // this step's Q, dO, lse, D landed; the last step's dS is fully consumed
+    // This step's Q, dO, lse, D landed; the last step's P, dS and query-side buffer are consumed.
+    __syncthreads();
+    // Two buffers: the next step's query side loads during this whole step.
+    if constexpr (kQStages == 2) load_next_query_side();
     compute_p_ds<Atom, Elem, Cfg, true, true>(sm, head, dropout, scale, k_extent, m0, n0, warp,
                                               lane);
     __syncthreads();
@@ -469,10 +484,11 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
                                    MMajor{sm.dout + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
     warp_gemm<Atom, Elem, kBlockM>(dk, MMajor{sm.ds + kv_r0, Cfg::kLdN},
                                    MMajor{sm.q + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
-    // The next step's query side loads while dQ = dS K is computed (it reads only dS and K).
-    __syncthreads();
-    if (next_h < head_end) {
-      load_query_side<Atom>(sm, rows, p, dsum, seq, b, next_h, next_m0, tid);
+    // One buffer: the next step's query side loads while dQ = dS K is computed (it reads only dS
+    // and K), once every warp is done with this step's Q and dO.
+    if constexpr (kQStages == 1) {
+      __syncthreads();
+      load_next_query_side();
     }
     if (dq_accum != nullptr) {
       for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
@@ -481,12 +497,12 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
         dq.zero();
         warp_gemm<Atom, Elem, kBlockN>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
                                        MMajor{sm.k + q_c0, kLdE}, kBlockN, n_extent - q_c0, lane);
-        float* dst = DqWs::warp_tile(dq_accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
-                                     e0 / Cfg::kDqCols, warp);
+        float* dst = DqWs::lane_tile(dq_accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
+                                     e0 / Cfg::kDqCols, warp, lane);
         // Columns past d only where the warp's columns reach past it: one uniform branch, not
         // a divergence region per atomic.
         const auto add = [&](auto checked) {
-          DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) {
+          DqWs::for_each_slot([&](int fm, int fn, int i, int slot) {
             if (!decltype(checked)::value || q_c0 + QAcc::col_of(lane, fn, i) < d)
               atomicAdd(dst + slot, dq.c[fm][fn][i]);
           });
@@ -500,6 +516,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
     }
     h = next_h;
     m0 = next_m0;
+    stage = next_stage;
   }
   cp_async_wait_all();  // K and V when no query tile sees this key tile
 
@@ -523,7 +540,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
   using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   extern __shared__ uint4 smem_raw[];
-  const BwdSmem<Cfg> sm(smem_raw);
+  const BwdSmem<Cfg> sm(smem_raw, 0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const ForwardParams& f = p.fwd;
   const int d = static_cast<int>(f.shape.head_dim);
@@ -587,10 +604,10 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
   const float scale = static_cast<float>(f.scale);
   for (int e0 = 0; e0 < round_up(d, Atom::kN); e0 += Cfg::kDqCols) {
     const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
-    const float* src = DqWs::warp_tile(dq_accum, blockIdx.y, len_q, m0,
-                                       e0 / Cfg::kDqCols, warp);
+    const float* src = DqWs::lane_tile(dq_accum, blockIdx.y, len_q, m0, e0 / Cfg::kDqCols, warp,
+                                       lane);
     typename DqWs::Acc dq;
-    DqWs::for_each_slot(lane, [&](int fm, int fn, int i, int slot) { dq.c[fm][fn][i] = src[slot]; });
+    DqWs::for_each_slot([&](int fm, int fn, int i, int slot) { dq.c[fm][fn][i] = src[slot]; });
     store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, seq.q_start + m0 + q_r0) + q_c0,
                              p.dq_strides.row, static_cast<int>(seq.len_q) - m0 - q_r0,
                              d - q_c0, lane,

@@ -47,10 +47,19 @@ namespace kern {
 // The Volta atom has no decode tile at head dim 256 (configs.cuh, has_decode_tile).
 #define FLASHV100_INSTANTIATE_VOLTA_FP16(D) FLASHV100_INSTANTIATE_ATTENTION(VoltaAtom, Fp16, D)
 #define FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(D) FLASHV100_INSTANTIATE_DECODE(VoltaAtom, Fp16, D)
-#define FLASHV100_INSTANTIATE_AMPERE_FP16(D) \
-  FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Fp16, D) FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Fp16, D)
-#define FLASHV100_INSTANTIATE_AMPERE_BF16(D) \
-  FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Bf16, D) FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Bf16, D)
+// cp.async atoms' dK/dV kernels with two query-side buffers (configs.cuh, BwdConfig).
+#define FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(Atom, Elem, D, G)                                  \
+  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 2>(const BackwardParams,   \
+                                                                      const float*, float*);
+#define FLASHV100_INSTANTIATE_AMPERE(Elem, D)                                                   \
+  FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Elem, D)                                          \
+  FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Elem, D)                                             \
+  FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(AmpereAtom, Elem, D, Variant::kPlain)                   \
+  FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(AmpereAtom, Elem, D, Variant::kMasked)                  \
+  FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(AmpereAtom, Elem, D, Variant::kDropout)                 \
+  FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(AmpereAtom, Elem, D, Variant::kMaskedDropout)
+#define FLASHV100_INSTANTIATE_AMPERE_FP16(D) FLASHV100_INSTANTIATE_AMPERE(Fp16, D)
+#define FLASHV100_INSTANTIATE_AMPERE_BF16(D) FLASHV100_INSTANTIATE_AMPERE(Bf16, D)
 
 template __global__ void flash_bwd_dsum_kernel<Fp16, false>(const BackwardParams, float*,
                                                             const DqWorkspaceRows);

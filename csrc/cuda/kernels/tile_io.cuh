@@ -29,6 +29,32 @@ __device__ __forceinline__ void for_each_tile_vector(int tid, F&& f) {
   for_each_tile_vector_indexed<kRows, kCols, kThreads>(tid, [&](int, int r, int c) { f(r, c); });
 }
 
+// for_each_tile_vector over a global tile at gmem with rows row_stride apart: f(r, c, address of
+// (r, c)). Where kThreads is a multiple of the vectors per row, a thread's vectors share a column
+// and lie a fixed number of rows apart, so each address is the last one plus a step: a 64-bit
+// product per vector cost ~10 instructions (sm_80 SASS of the backward's query-side loads).
+template <int kRows, int kCols, int kThreads, class F>
+__device__ __forceinline__ void for_each_strided_vector(const uint16_t* gmem, int64_t row_stride,
+                                                        int tid, F&& f) {
+  constexpr int kVecPerRow = kCols / 8;
+  if constexpr (kThreads % kVecPerRow == 0) {
+    constexpr int kRowsPerPass = kThreads / kVecPerRow;
+    const int r0 = tid / kVecPerRow, c = (tid % kVecPerRow) * 8;
+    const uint16_t* src = gmem + r0 * row_stride + c;
+    const int64_t step = kRowsPerPass * row_stride;
+#pragma unroll
+    for (int it = 0; it < kTileVectorsPerThread<kRows, kCols, kThreads>; ++it) {
+      const int r = r0 + it * kRowsPerPass;
+      if (kRows % kRowsPerPass != 0 && r >= kRows) break;
+      f(r, c, src);
+      src += step;
+    }
+  } else {
+    for_each_tile_vector<kRows, kCols, kThreads>(
+        tid, [&](int r, int c) { f(r, c, gmem + r * row_stride + c); });
+  }
+}
+
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global 16-bit matrix into a kRows x kCols
 // shared tile (row stride ld), zero-filling the rest so that padding contributes nothing to any
 // product. Row r starts at row_ptr(r), called for valid rows only (paged caches: an index read).
@@ -47,8 +73,12 @@ template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                           int64_t row_stride, int rows_valid, int cols_valid,
                                           int tid) {
-  load_tile_rows<kRows, kCols, kThreads>(
-      smem, ld, [&](int r) { return gmem + r * row_stride; }, rows_valid, cols_valid, tid);
+  for_each_strided_vector<kRows, kCols, kThreads>(
+      gmem, row_stride, tid, [&](int r, int c, const uint16_t* src) {
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < rows_valid && c < cols_valid) v = __ldg(reinterpret_cast<const uint4*>(src));
+        *reinterpret_cast<uint4*>(smem + r * ld + c) = v;
+      });
 }
 
 // load_tile_rows without the trip through registers: 16-byte cp.async copies (rows or columns past
@@ -58,6 +88,26 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
 // kGather: row_ptr reads memory (a paged cache's block table), so every row address of the thread
 // is resolved before the first copy: the reads are in flight together instead of one read's
 // latency before each copy. sm_80+ only.
+// One 16-byte cp.async into shared memory at dst from src, or where !valid 16 zero bytes (reading
+// nothing at fallback, a valid address).
+__device__ __forceinline__ void cp_async_16(uint16_t* dst, const uint16_t* src,
+                                            const uint16_t* fallback, bool valid) {
+#if FLASHV100_SM80
+  const uint32_t dst_shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst_shared),
+               "l"(valid ? src : fallback), "r"(valid ? 16 : 0));
+#else
+  (void)dst, (void)src, (void)fallback, (void)valid;
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if FLASHV100_SM80
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
 template <int kRows, int kCols, int kThreads, bool kGather = false, class RowPtr>
 __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                      const uint16_t* fallback, int rows_valid,
@@ -66,14 +116,7 @@ __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, Row
     return r < rows_valid && c < cols_valid ? row_ptr(r) + c : nullptr;
   };
   const auto copy = [&](int r, int c, const uint16_t* src) {
-#if FLASHV100_SM80
-    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem + r * ld + c));
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst),
-                 "l"(src != nullptr ? src : fallback), "r"(src != nullptr ? 16 : 0));
-#else
-    (void)r, (void)c, (void)src, (void)fallback;
-    __trap();
-#endif
+    cp_async_16(smem + r * ld + c, src, fallback, src != nullptr);
   };
   if constexpr (kGather) {
     const uint16_t* src[kTileVectorsPerThread<kRows, kCols, kThreads>];
@@ -85,17 +128,18 @@ __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, Row
     for_each_tile_vector<kRows, kCols, kThreads>(tid,
                                                  [&](int r, int c) { copy(r, c, source(r, c)); });
   }
-#if FLASHV100_SM80
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
+  cp_async_commit();
 }
 
 template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const uint16_t* gmem,
                                                 int64_t row_stride, int rows_valid,
                                                 int cols_valid, int tid) {
-  load_tile_async_rows<kRows, kCols, kThreads>(
-      smem, ld, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
+  for_each_strided_vector<kRows, kCols, kThreads>(
+      gmem, row_stride, tid, [&](int r, int c, const uint16_t* src) {
+        cp_async_16(smem + r * ld + c, src, gmem, r < rows_valid && c < cols_valid);
+      });
+  cp_async_commit();
 }
 
 __device__ __forceinline__ void cp_async_wait_all() {
@@ -118,12 +162,17 @@ __device__ __forceinline__ void stage_tile_rows(uint16_t* smem, int ld, RowPtr&&
   }
 }
 
+// stage_tile_rows of a tile with rows row_stride apart.
 template <class Atom, int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void stage_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                            int64_t row_stride, int rows_valid, int cols_valid,
                                            int tid) {
-  stage_tile_rows<Atom, kRows, kCols, kThreads>(
-      smem, ld, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
+  if constexpr (Atom::kAsyncCopy) {
+    load_tile_async<kRows, kCols, kThreads>(smem, ld, gmem, row_stride, rows_valid, cols_valid,
+                                            tid);
+  } else {
+    load_tile<kRows, kCols, kThreads>(smem, ld, gmem, row_stride, rows_valid, cols_valid, tid);
+  }
 }
 
 // Writes a warp accumulator (converted to Elem) into a shared tile at (row0, col0), ld elements.
