@@ -1,5 +1,6 @@
 #include "kernel_path.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -19,7 +20,19 @@ std::atomic<bool>& force_volta_flag() {
   return flag;
 }
 
+std::atomic<int>& smem_limit() {
+  static std::atomic<int> limit{[] {
+    const char* value = std::getenv("FLASHV100_SMEM_LIMIT");
+    return value != nullptr ? std::max(0, std::atoi(value)) : 0;
+  }()};
+  return limit;
+}
+
 }  // namespace
+
+int smem_limit_override() { return smem_limit().load(); }
+
+void set_smem_limit_override(int bytes) { smem_limit().store(std::max(0, bytes)); }
 
 bool force_volta_atom() { return force_volta_flag().load(); }
 

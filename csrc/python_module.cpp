@@ -1,5 +1,6 @@
 // The Python extension module: loading it registers the ops (static initialisers in ops.cpp and
-// the device kernels); it also exposes build facts and the tensor-core atom override.
+// the device kernels); it also exposes build facts and the tensor-core atom and shared-memory
+// overrides.
 #include <pybind11/pybind11.h>
 
 #include "kernel_path.h"
@@ -28,6 +29,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("force_volta_atom", &flashv100::force_volta_atom,
         "Whether the Volta m8n8k4 atom is forced on GPUs that have newer ones");
   m.def("set_force_volta_atom", &flashv100::set_force_volta_atom, py::arg("force"));
+  m.def("smem_limit_override", &flashv100::smem_limit_override,
+        "The cap on shared memory per block the CUDA launchers plan with (0: the device's)");
+  m.def("set_smem_limit_override", &flashv100::set_smem_limit_override, py::arg("bytes"));
   m.def(
       "mma_atom_name",
       [](int cc_major, int cc_minor) {

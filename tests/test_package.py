@@ -83,6 +83,19 @@ def test_volta_override_round_trip():
     assert flash.force_volta_atom() == before
 
 
+def test_smem_limit_override_round_trip():
+    from torch_flash_v100 import _C
+
+    before = _C.smem_limit_override()
+    try:
+        _C.set_smem_limit_override(99 * 1024)
+        assert _C.smem_limit_override() == 99 * 1024
+        _C.set_smem_limit_override(-5)  # no cap
+        assert _C.smem_limit_override() == 0
+    finally:
+        _C.set_smem_limit_override(before)
+
+
 def test_kernel_path_names_cpu():
     assert flash.kernel_path("cpu") == "cpu"
 

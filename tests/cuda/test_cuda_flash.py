@@ -171,6 +171,25 @@ def test_deterministic_backward_is_bitwise_reproducible(atom):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_backward_within_sm86_shared_memory(atom, dtype, head_dim):
+    """Shared memory capped at sm_86/89's 99 KB per block: the dK/dV kernel keeps one query-side
+    buffer where two do not fit (configs.cuh, BwdConfig); its gradients are the reference's, and
+    the deterministic backward's are bitwise those of the uncapped configuration."""
+    from torch_flash_v100 import _C
+
+    kw = dict(window=CAUSAL, softcap=4.0)
+    uncapped = check_dense(2, 4, 2, 203, 203, head_dim, dtype, deterministic=True, **kw)
+    _C.set_smem_limit_override(99 * 1024)
+    try:
+        check_dense(2, 4, 2, 203, 203, head_dim, dtype, dropout_p=0.1, **kw)
+        capped = check_dense(2, 4, 2, 203, 203, head_dim, dtype, deterministic=True, **kw)
+    finally:
+        _C.set_smem_limit_override(0)
+    for name, a, b in zip(["out", "lse", "rng", "dq", "dk", "dv"], uncapped, capped):
+        assert torch.equal(a, b), name
+
+
 # ---- packed (varlen) batches ----
 
 def pack(lengths, heads, d, dtype, seed, magnitude=1.0):

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -81,7 +80,7 @@ inline kern::Variant variant_of(const ForwardParams& p) {
 
 // What the launchers ask the runtime about a kernel on a device, once: decode steps launch every
 // token and small attentions are host bound (a driver call costs ~2 us of host time).
-enum class KernelFact { kSharedMemoryOptIn, kBlocksPerSm, kWaitsForPrimaryGrid };
+enum class KernelFact { kSharedMemoryOptIn, kBlocksPerSm, kWaitsForPrimaryGrid, kDeviceSmemOptIn };
 
 struct KnownKernelFacts {
   using Key = std::tuple<const void*, int, KernelFact>;  // kernel, device, fact
@@ -108,9 +107,17 @@ int kernel_fact(const void* kernel, KernelFact fact, Ask&& ask) {
   return known.values.emplace(key, value).first->second;
 }
 
-// Dynamic shared memory a block of the current device can opt into.
+// Dynamic shared memory a block of the current device can opt into (a fact of the device: no
+// kernel), capped by smem_limit_override (kernel_path.h).
 inline int device_smem_optin() {
-  return static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  const int device = kernel_fact(nullptr, KernelFact::kDeviceSmemOptIn, [] {
+    int bytes = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                          c10::cuda::current_device()));
+    return bytes;
+  });
+  const int cap = smem_limit_override();
+  return cap > 0 && cap < device ? cap : device;
 }
 
 // Opts a kernel into > 48 KB of dynamic shared memory.
