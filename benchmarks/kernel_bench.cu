@@ -2,9 +2,8 @@
 // (the D pre-pass, which also zeroes the dQ workspace, then dK/dV with dQ by atomics, with one and
 // with two query-side buffers) of each kernel variant (plain, mask, dropout, mask + dropout; the
 // mask variants run without a mask, i.e. they time the general score math alone), Ampere atom,
-// fp16, CUDA-event medians. Inputs are
-// random; outputs are not checked (the tests do that). It builds in seconds against a source
-// tree, so kernel changes can be compared side by side:
+// fp16, CUDA-event medians. Inputs are random; outputs are not checked (the tests do that). It
+// builds in seconds against a source tree, so kernel changes can be compared side by side:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc \
 //       -o kernel_bench benchmarks/kernel_bench.cu

@@ -78,8 +78,9 @@ inline kern::Variant variant_of(const ForwardParams& p) {
   return general ? kern::Variant::kMasked : kern::Variant::kPlain;
 }
 
-// What the launchers ask the runtime about a kernel on a device, once: decode steps launch every
-// token and small attentions are host bound (a driver call costs ~2 us of host time).
+// What the launchers ask the runtime about a kernel on a device (or, kernel null, about the
+// device), once: decode steps launch every token and small attentions are host bound (a driver
+// call costs ~2 us of host time).
 enum class KernelFact { kSharedMemoryOptIn, kBlocksPerSm, kWaitsForPrimaryGrid, kDeviceSmemOptIn };
 
 struct KnownKernelFacts {

@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::k
         stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, base, st.row,
                                                       vis.len_kv - n0, d, tid);
       } else {
-        stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, true>(dst, Cfg::kLdQK, rows, head,
-                                                                 vis.len_kv - n0, d, tid);
+        stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, rows, head,
+                                                           vis.len_kv - n0, d, tid);
       }
     } else {
       stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, head + n0 * st.row, st.row,

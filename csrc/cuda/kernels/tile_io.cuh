@@ -81,15 +81,10 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
       });
 }
 
-// load_tile_rows without the trip through registers: 16-byte cp.async copies (rows or columns past
-// the valid range are zero-filled by the copy itself, reading nothing at `fallback`), completed by
-// cp_async_wait_all(). The L2 fetches whole 128-byte lines (FlashAttention-2's hint): decoding on
-// the H200 read 2-3% faster from 8k keys (kernel_bench), prefill unchanged; 256 bytes was slower.
-// kGather: row_ptr reads memory (a paged cache's block table), so every row address of the thread
-// is resolved before the first copy: the reads are in flight together instead of one read's
-// latency before each copy. sm_80+ only.
 // One 16-byte cp.async into shared memory at dst from src, or where !valid 16 zero bytes (reading
-// nothing at fallback, a valid address).
+// nothing at fallback, a valid address). The L2 fetches whole 128-byte lines (FlashAttention-2's
+// hint): decoding on the H200 read 2-3% faster from 8k keys (kernel_bench), prefill unchanged;
+// 256 bytes was slower. Completed by cp_async_wait_all(); sm_80+ only.
 __device__ __forceinline__ void cp_async_16(uint16_t* dst, const uint16_t* src,
                                             const uint16_t* fallback, bool valid) {
 #if FLASHV100_SM80
@@ -108,26 +103,21 @@ __device__ __forceinline__ void cp_async_commit() {
 #endif
 }
 
-template <int kRows, int kCols, int kThreads, bool kGather = false, class RowPtr>
+// load_tile_rows without the trip through registers (cp_async_16, rows or columns past the valid
+// range zero-filled by the copy itself). row_ptr reads memory (a paged cache's block table), so
+// every row address of the thread is resolved before the first copy: the reads are in flight
+// together instead of one read's latency before each copy.
+template <int kRows, int kCols, int kThreads, class RowPtr>
 __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                      const uint16_t* fallback, int rows_valid,
                                                      int cols_valid, int tid) {
-  const auto source = [&](int r, int c) -> const uint16_t* {
-    return r < rows_valid && c < cols_valid ? row_ptr(r) + c : nullptr;
-  };
-  const auto copy = [&](int r, int c, const uint16_t* src) {
-    cp_async_16(smem + r * ld + c, src, fallback, src != nullptr);
-  };
-  if constexpr (kGather) {
-    const uint16_t* src[kTileVectorsPerThread<kRows, kCols, kThreads>];
-    for_each_tile_vector_indexed<kRows, kCols, kThreads>(
-        tid, [&](int it, int r, int c) { src[it] = source(r, c); });
-    for_each_tile_vector_indexed<kRows, kCols, kThreads>(
-        tid, [&](int it, int r, int c) { copy(r, c, src[it]); });
-  } else {
-    for_each_tile_vector<kRows, kCols, kThreads>(tid,
-                                                 [&](int r, int c) { copy(r, c, source(r, c)); });
-  }
+  const uint16_t* src[kTileVectorsPerThread<kRows, kCols, kThreads>];
+  for_each_tile_vector_indexed<kRows, kCols, kThreads>(tid, [&](int it, int r, int c) {
+    src[it] = r < rows_valid && c < cols_valid ? row_ptr(r) + c : nullptr;
+  });
+  for_each_tile_vector_indexed<kRows, kCols, kThreads>(tid, [&](int it, int r, int c) {
+    cp_async_16(smem + r * ld + c, src[it], fallback, src[it] != nullptr);
+  });
   cp_async_commit();
 }
 
@@ -148,15 +138,15 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// A tile for the atom's kernels: by cp.async where the GPU has it (landing after
-// cp_async_wait_all), else by plain loads. kGather: row_ptr reads memory (load_tile_async_rows).
-template <class Atom, int kRows, int kCols, int kThreads, bool kGather = false, class RowPtr>
+// A tile for the atom's kernels, row r at row_ptr(r): by cp.async where the GPU has it (landing
+// after cp_async_wait_all), else by plain loads.
+template <class Atom, int kRows, int kCols, int kThreads, class RowPtr>
 __device__ __forceinline__ void stage_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                 const uint16_t* fallback, int rows_valid,
                                                 int cols_valid, int tid) {
   if constexpr (Atom::kAsyncCopy) {
-    load_tile_async_rows<kRows, kCols, kThreads, kGather>(smem, ld, row_ptr, fallback,
-                                                          rows_valid, cols_valid, tid);
+    load_tile_async_rows<kRows, kCols, kThreads>(smem, ld, row_ptr, fallback, rows_valid,
+                                                 cols_valid, tid);
   } else {
     load_tile_rows<kRows, kCols, kThreads>(smem, ld, row_ptr, rows_valid, cols_valid, tid);
   }
