@@ -1,9 +1,10 @@
 // Kernel-level timing of the fused attention kernels, without PyTorch: the forward and the backward
 // (the D pre-pass, which also zeroes the dQ workspace, then dK/dV with dQ by atomics, with one and
-// with two query-side buffers) of each kernel variant (plain, mask, dropout, mask + dropout; the
-// mask variants run without a mask, i.e. they time the general score math alone), Ampere atom,
-// fp16, CUDA-event medians. Inputs are random; outputs are not checked (the tests do that). It
-// builds in seconds against a source tree, so kernel changes can be compared side by side:
+// with two query-side buffers, and the wide tile where there is one) of each kernel variant
+// (plain, mask, dropout, mask + dropout; the mask variants run without a mask, i.e. they time the
+// general score math alone), Ampere atom, fp16, CUDA-event medians. Inputs are random; outputs are
+// not checked (the tests do that). It builds in seconds against a source tree, so kernel changes
+// can be compared side by side:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc \
 //       -o kernel_bench benchmarks/kernel_bench.cu
@@ -109,8 +110,7 @@ void run(int batch, int heads, int len) {
   const int64_t elems = static_cast<int64_t>(batch) * heads * len * E;
   const int64_t rows = static_cast<int64_t>(batch) * heads * len;
   using FCfg = FwdConfig<AmpereAtom, E, V>;
-  using BCfg = BwdConfig<AmpereAtom, E, V>;
-  using DqWs = DqWorkspace<AmpereAtom, BCfg>;
+  using DqWs = DqWorkspace<AmpereAtom, BwdConfig<AmpereAtom, E, V>>;
   Buffers buf;
   __half *q = buf.alloc<__half>(elems), *k = buf.alloc<__half>(elems);
   __half *v = buf.alloc<__half>(elems), *dout = buf.alloc<__half>(elems);
@@ -158,31 +158,45 @@ void run(int batch, int heads, int len) {
     bp.row_base = row_vectors + rows;
     bp.row_log2_norm = row_vectors + 2 * rows;
   }
+  // The workspace of the largest dQ tiling (the wide tile's query tiles are as tall).
   float* dq_accum = buf.alloc<float>(DqWs::floats(batch * heads, len));
-  const DqWorkspaceRows dq_ws = DqWs::rows(dq_accum, len);
   const auto dsum = flash_bwd_dsum_kernel<Fp16, is_general(V)>;
-  const int64_t dsum_blocks = (batch * heads * dq_ws.padded_len_q + 3) / 4;
-  const dim3 bwd_grid((len + BCfg::kBlockN - 1) / BCfg::kBlockN, batch * heads);
-  // The dK/dV kernel with one and with two query-side buffers (BwdConfig::kQStages).
-  const auto bwd_ms = [&](auto stages) {
+  // D pre-pass + dK/dV kernel of one backward configuration (BwdConfig: query-side buffers, tile).
+  const auto bwd_ms = [&](auto stages, auto size) {
     constexpr int kStages = decltype(stages)::value;
-    constexpr int kSmem = BwdConfig<AmpereAtom, E, V, kStages>::kSmemBytes;
-    const auto dkdv = flash_bwd_dkdv_kernel<AmpereAtom, Fp16, E, V, kStages>;
-    CHECK_CUDA(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    constexpr BwdTileSize kSize = decltype(size)::value;
+    using Cfg = BwdConfig<AmpereAtom, E, V, kStages, kSize>;
+    const DqWorkspaceRows dq_ws = DqWorkspace<AmpereAtom, Cfg>::rows(dq_accum, len);
+    const int64_t dsum_blocks = (batch * heads * dq_ws.padded_len_q + 3) / 4;
+    const dim3 grid((len + Cfg::kBlockN - 1) / Cfg::kBlockN, batch * heads);
+    const auto dkdv = flash_bwd_dkdv_kernel<AmpereAtom, Fp16, E, V, kStages, kSize>;
+    CHECK_CUDA(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Cfg::kSmemBytes));
     return median_ms([&] {
       dsum<<<dsum_blocks, 128>>>(bp, row_vectors, dq_ws);  // also zeroes the dQ workspace
-      dkdv<<<bwd_grid, BCfg::kThreads, kSmem>>>(bp, row_vectors, dq_accum);
+      dkdv<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(bp, row_vectors, dq_accum);
     });
   };
-  const float bwd1_ms = bwd_ms(std::integral_constant<int, 1>{});
-  const float bwd2_ms = bwd_ms(std::integral_constant<int, 2>{});
+  using Compact = std::integral_constant<BwdTileSize, BwdTileSize::kCompact>;
+  using Wide = std::integral_constant<BwdTileSize, BwdTileSize::kWide>;
+  const float bwd1_ms = bwd_ms(std::integral_constant<int, 1>{}, Compact{});
+  const float bwd2_ms = bwd_ms(std::integral_constant<int, 2>{}, Compact{});
+  float wide_ms = 0.0f;
+  if constexpr (has_wide_bwd_tile<AmpereAtom, E, V>()) {
+    wide_ms = bwd_ms(std::integral_constant<int, 2>{}, Wide{});
+  }
 
   const double fwd_flops = 4.0 * batch * heads * static_cast<double>(len) * len * E;
+  const double bwd_flops = 2.5 * fwd_flops;
   std::printf(
       "B%d H%d L%d E%d %-12s fwd %.3f ms (%.0f TFLOP/s)  bwd %.3f ms (%.0f TFLOP/s), two query "
-      "buffers %.3f ms (%.0f TFLOP/s)\n",
+      "buffers %.3f ms (%.0f TFLOP/s)",
       batch, heads, len, E, variant_name(V), fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd1_ms,
-      2.5 * fwd_flops / bwd1_ms * 1e-9, bwd2_ms, 2.5 * fwd_flops / bwd2_ms * 1e-9);
+      bwd_flops / bwd1_ms * 1e-9, bwd2_ms, bwd_flops / bwd2_ms * 1e-9);
+  if (wide_ms > 0.0f) {
+    std::printf(", wide tile %.3f ms (%.0f TFLOP/s)", wide_ms, bwd_flops / wide_ms * 1e-9);
+  }
+  std::printf("\n");
 }
 
 template <int E>

@@ -171,16 +171,19 @@ def test_deterministic_backward_is_bitwise_reproducible(atom):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("smem_kb", [99, 163], ids=["sm86", "sm80"])
+@pytest.mark.parametrize("softcap", [0.0, 4.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-def test_backward_within_sm86_shared_memory(atom, dtype, head_dim):
-    """Shared memory capped at sm_86/89's 99 KB per block: the dK/dV kernel keeps one query-side
-    buffer where two do not fit (configs.cuh, BwdConfig); its gradients are the reference's, and
-    the deterministic backward's are bitwise those of the uncapped configuration."""
+def test_backward_within_smaller_shared_memory(atom, dtype, head_dim, softcap, smem_kb):
+    """Shared memory capped at sm_86/89's 99 KB or sm_80's 163 KB per block: the backward runs
+    the configurations that fit there (configs.cuh: one query-side buffer, the compact tile
+    instead of the wide one); its gradients are the reference's, and the deterministic
+    backward's are bitwise those of the uncapped configuration (every sum in the same order)."""
     from torch_flash_v100 import _C
 
-    kw = dict(window=CAUSAL, softcap=4.0)
+    kw = dict(window=CAUSAL, softcap=softcap)
     uncapped = check_dense(2, 4, 2, 203, 203, head_dim, dtype, deterministic=True, **kw)
-    _C.set_smem_limit_override(99 * 1024)
+    _C.set_smem_limit_override(smem_kb * 1024)
     try:
         check_dense(2, 4, 2, 203, 203, head_dim, dtype, dropout_p=0.1, **kw)
         capped = check_dense(2, 4, 2, 203, 203, head_dim, dtype, deterministic=True, **kw)

@@ -28,54 +28,62 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
     constexpr int D = decltype(dim)::value;
     constexpr kern::Variant V = decltype(variant_tag)::value;
     constexpr bool G = kern::is_general(V);
-    using Cfg = kern::BwdConfig<Atom, D, V>;
-    using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
-    // The atomic path's dQ workspace, zeroed by the D pre-pass (one warp per padded row).
-    at::Tensor dq_accum;
-    kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
-    if (!p.deterministic) {
-      dq_accum = at::empty({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
-      dq_ws = DqWorkspace::rows(dq_accum.data_ptr<float>(), s.len_q);
-    }
-    const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
-    kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(p, dsum,
-                                                                                      dq_ws);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-    // Two query-side buffers where the device's shared memory holds them (configs.cuh).
-    const auto launch_dkdv = [&](auto stages) {
+    // Every kernel of one backward runs with the same configuration (the dQ workspace follows
+    // its warp grid): the wide tile and two query-side buffers where the device's shared memory
+    // holds them (configs.cuh), else the tile every GPU of the atom holds.
+    const auto run = [&](auto stages, auto size) {
       constexpr int kStages = decltype(stages)::value;
-      using StagedCfg = kern::BwdConfig<Atom, D, V, kStages>;
-      const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages>;
-      set_smem(dkdv, StagedCfg::kSmemBytes);
-      debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
-                   Cfg::kThreads, StagedCfg::kSmemBytes);
-      const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
-      dkdv<<<kv_grid, Cfg::kThreads, StagedCfg::kSmemBytes, stream>>>(
-          p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
-    };
-    if constexpr (Atom::kAsyncCopy) {
-      if (kern::BwdConfig<Atom, D, V, 2>::kSmemBytes <= device_smem_optin()) {
-        launch_dkdv(std::integral_constant<int, 2>{});
-      } else {
-        launch_dkdv(std::integral_constant<int, 1>{});
+      constexpr kern::BwdTileSize kSize = decltype(size)::value;
+      using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
+      using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
+      // The atomic path's dQ workspace, zeroed by the D pre-pass (one warp per padded row).
+      at::Tensor dq_accum;
+      kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
+      if (!p.deterministic) {
+        dq_accum = at::empty({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
+        dq_ws = DqWorkspace::rows(dq_accum.data_ptr<float>(), s.len_q);
       }
-    } else {
-      launch_dkdv(std::integral_constant<int, 1>{});
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
+      kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(p, dsum,
+                                                                                        dq_ws);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    if (p.deterministic) {
-      const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, V>;
-      set_smem(dq, Cfg::kSmemBytes);
-      const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
-      dq<<<q_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum);
-    } else {
-      const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
-      kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V>
-          <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_accum.data_ptr<float>());
+      const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>;
+      set_smem(dkdv, Cfg::kSmemBytes);
+      debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
+                   Cfg::kThreads, Cfg::kSmemBytes);
+      const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
+      dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+          p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+      if (p.deterministic) {
+        using DqCfg = kern::BwdConfig<Atom, D, V, 1, kSize>;  // one query tile a block
+        const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, V, kSize>;
+        set_smem(dq, DqCfg::kSmemBytes);
+        const dim3 q_grid(ceil_div(s.len_q, Cfg::kBlockM), s.batch * s.heads_q);
+        dq<<<q_grid, Cfg::kThreads, DqCfg::kSmemBytes, stream>>>(p, dsum);
+      } else {
+        const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
+        kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V, kSize>
+            <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_accum.data_ptr<float>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    using One = std::integral_constant<int, 1>;
+    using Two = std::integral_constant<int, 2>;
+    using CompactTile = std::integral_constant<kern::BwdTileSize, kern::BwdTileSize::kCompact>;
+    using WideTile = std::integral_constant<kern::BwdTileSize, kern::BwdTileSize::kWide>;
+    const int smem = device_smem_optin();
+    if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
+      if (kern::BwdConfig<Atom, D, V, 2, kern::BwdTileSize::kWide>::kSmemBytes <= smem) {
+        return run(Two{}, WideTile{});
+      }
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if constexpr (Atom::kAsyncCopy) {
+      if (kern::BwdConfig<Atom, D, V, 2>::kSmemBytes <= smem) return run(Two{}, CompactTile{});
+    }
+    run(One{}, CompactTile{});
   });
 }
 

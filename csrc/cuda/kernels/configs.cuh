@@ -186,7 +186,19 @@ struct BwdTileShape {
                        kSWarps = kSWarps_, kWarpsNS = kWarpsNS_, kWarpsNKV = kWarpsNKV_,
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
-template <class Atom, int kHeadDim, bool kSmall> struct BwdTile;
+// Backward tile sizes: kCompact fits every GPU of its atom (shared memory: configs below);
+// kWide is FlashAttention-2's 64 x 128 tile at head dim 128 (plain variant, cp.async atoms) with
+// two query-side buffers, 174.3 KB: only for GPUs whose opt-in holds it (sm_90), picked at launch
+// (with one buffer, 139.5 KB, it spilled 60 bytes on sm_80). Against the 64 x 64 tile it halves
+// the dQ atomics and the Q/dO reloads per key; the H200 ran the backward 23-29% faster
+// (benchmarks/results/kernel_bench_h200_wide_tile.txt).
+enum class BwdTileSize { kCompact, kWide };
+template <class Atom, int kHeadDim, Variant kVariant>
+constexpr __host__ __device__ bool has_wide_bwd_tile() {
+  return Atom::kAsyncCopy && kHeadDim == 128 && kVariant == Variant::kPlain;
+}
+template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize::kCompact>
+struct BwdTile;
 // Volta: 16-row warp tiles (registers), smaller where the variants other than plain would spill.
 template <> struct BwdTile<VoltaAtom, 32, false> : BwdTileShape<64, 64, 8, 4, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
@@ -201,20 +213,29 @@ template <bool G> struct BwdTile<AmpereAtom, 32, G> : BwdTileShape<64, 128, 8, 8
 template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8, 4, 2, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
+// 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles, 16 x 32 dQ warp tiles (8 x 8 dQ warp tiles were
+// slower); within 255 registers without spills on sm_80 in the plain variant only.
+template <>
+struct BwdTile<AmpereAtom, 128, false, BwdTileSize::kWide>
+    : BwdTileShape<64, 128, 8, 8, 4, 4, 2, 64> {};
 
 // Query-side buffers (Q, dO) of the dK/dV kernel: with two (cp.async only) the next step's Q and
 // dO load during the whole step and a step takes two block barriers instead of three
 // (flash_bwd.cuh). Two exceed the 99 KB of sm_86/89 from head dim 64 on, so the launcher picks
-// them by the device's shared-memory opt-in (at most sm_80's 163 KB is asked for).
-constexpr int kBwdQStagesSmemBytes = 163 * 1024;
+// them, like the wide tile, by the device's shared-memory opt-in (at most sm_90's 227 KB).
+constexpr int kBwdLargestSmemBytes = 227 * 1024;
 
-template <class Atom, int kHeadDim_, Variant kVariant, int kQStages_ = 1>
-struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain> {
-  using T = BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain>;
+template <class Atom, int kHeadDim_, Variant kVariant, int kQStages_ = 1,
+          BwdTileSize kSize_ = BwdTileSize::kCompact>
+struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain, kSize_> {
+  using T = BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain, kSize_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kQStages = kQStages_;
+  static constexpr BwdTileSize kSize = kSize_;
   static_assert(kQStages == 1 || (kQStages == 2 && Atom::kAsyncCopy),
                 "two query-side buffers need cp.async");
+  static_assert(kSize == BwdTileSize::kCompact || has_wide_bwd_tile<Atom, kHeadDim_, kVariant>(),
+                "no wide backward tile for this atom, head dim and variant");
   static constexpr bool kGeneral = is_general(kVariant);
   static constexpr bool kDropout = has_dropout(kVariant);
   static constexpr int kThreads = T::kWarps * 32;
@@ -243,7 +264,9 @@ struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain> {
   static constexpr int kRowVecByteOffset = (kDSOffset + T::kBlockM * kLdN) * 2;
   static constexpr int kRowVecs = kGeneral ? 3 : 2;
   static constexpr int kSmemBytes = kRowVecByteOffset + kRowVecs * T::kBlockM * 4;
-  static_assert(kSmemBytes <= (kQStages == 1 ? Atom::kMaxSmemBytes : kBwdQStagesSmemBytes),
+  static_assert(kSmemBytes <= (kQStages == 1 && kSize == BwdTileSize::kCompact
+                                   ? Atom::kMaxSmemBytes
+                                   : kBwdLargestSmemBytes),
                 "backward tile exceeds shared memory");
 };
 

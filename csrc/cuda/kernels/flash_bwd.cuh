@@ -401,13 +401,14 @@ struct DqWorkspace {
 };
 
 // dK, dV for key tile blockIdx.x of (batch, kv head) blockIdx.y; optionally dQ by fp32 atomics
-// into dq_accum (a DqWorkspace). kVariant: see configs.cuh; kQStages: query-side buffers
-// (BwdConfig). One block per SM is enough: the tiles are sized to the registers, and without it
-// ptxas may trade spills for a second block.
-template <class Atom, class Elem, int kHeadDim, Variant kVariant, int kQStages = 1>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages>::kThreads, 1)
+// into dq_accum (a DqWorkspace). kVariant: see configs.cuh; kQStages: query-side buffers, kSize:
+// the tile (BwdConfig). One block per SM is enough: the tiles are sized to the registers, and
+// without it ptxas may trade spills for a second block.
+template <class Atom, class Elem, int kHeadDim, Variant kVariant, int kQStages = 1,
+          BwdTileSize kSize = BwdTileSize::kCompact>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>::kThreads, 1)
     flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum) {
-  using Cfg = BwdConfig<Atom, kHeadDim, kVariant, kQStages>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
   extern __shared__ uint4 smem_raw[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -533,11 +534,12 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages>:
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.
 // The general variants (above 128 registers on Volta anyway) and emulated atoms ask for one block
 // per SM: else ptxas may spill them to fit two (the Volta head-dim-64 dropout variant on sm_80).
-template <class Atom, class Elem, int kHeadDim, Variant kVariant>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
+template <class Atom, class Elem, int kHeadDim, Variant kVariant,
+          BwdTileSize kSize = BwdTileSize::kCompact>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, 1, kSize>::kThreads,
                                   is_general(kVariant) || runs_emulated<Atom>() ? 1 : 0)
     flash_bwd_dq_kernel(const BackwardParams p, const float* dsum) {
-  using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kVariant, 1, kSize>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   extern __shared__ uint4 smem_raw[];
   const BwdSmem<Cfg> sm(smem_raw, 0);
@@ -588,10 +590,11 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads,
 
 // dq = scale * dq_accum (a DqWorkspace), converted to Elem and written with dq's strides: query
 // tile blockIdx.x of (batch, head) blockIdx.y, each warp reading back the registers it added.
-template <class Atom, class Elem, int kHeadDim, Variant kVariant>
-__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant>::kThreads)
+template <class Atom, class Elem, int kHeadDim, Variant kVariant,
+          BwdTileSize kSize = BwdTileSize::kCompact>
+__global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, 1, kSize>::kThreads)
     flash_bwd_dq_convert_kernel(const BackwardParams p, const float* dq_accum) {
-  using Cfg = BwdConfig<Atom, kHeadDim, kVariant>;
+  using Cfg = BwdConfig<Atom, kHeadDim, kVariant, 1, kSize>;
   using DqWs = DqWorkspace<Atom, Cfg>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const ForwardParams& f = p.fwd;
