@@ -187,15 +187,16 @@ struct BwdTileShape {
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
 // Backward tile sizes: kCompact fits every GPU of its atom (shared memory: configs below);
-// kWide is FlashAttention-2's 64 x 128 tile at head dim 128 (plain variant, cp.async atoms) with
-// two query-side buffers, 174.3 KB: only for GPUs whose opt-in holds it (sm_90), picked at launch
-// (with one buffer, 139.5 KB, it spilled 60 bytes on sm_80). Against the 64 x 64 tile it halves
+// kWide is FlashAttention-2's 64 x 128 tile at head dim 128 (plain and dropout variants, cp.async
+// atoms; the masked ones spill 84-212 bytes) with two query-side buffers, 174.3 KB: only for GPUs
+// whose opt-in holds it (sm_90), picked at launch (with one buffer, 139.5 KB, the plain variant
+// spilled 60 bytes on sm_80). Against the 64 x 64 tile it halves
 // the dQ atomics and the Q/dO reloads per key; the H200 ran the backward 23-29% faster
 // (benchmarks/results/kernel_bench_h200_wide_tile.txt).
 enum class BwdTileSize { kCompact, kWide };
 template <class Atom, int kHeadDim, Variant kVariant>
 constexpr __host__ __device__ bool has_wide_bwd_tile() {
-  return Atom::kAsyncCopy && kHeadDim == 128 && kVariant == Variant::kPlain;
+  return Atom::kAsyncCopy && kHeadDim == 128 && !is_general(kVariant);
 }
 template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize::kCompact>
 struct BwdTile;
@@ -214,9 +215,9 @@ template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8
 template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
 // 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles, 16 x 32 dQ warp tiles (8 x 8 dQ warp tiles were
-// slower); within 255 registers without spills on sm_80 in the plain variant only.
-template <>
-struct BwdTile<AmpereAtom, 128, false, BwdTileSize::kWide>
+// slower); within 255 registers without spills on sm_80 in the plain and dropout variants only.
+template <bool G>
+struct BwdTile<AmpereAtom, 128, G, BwdTileSize::kWide>
     : BwdTileShape<64, 128, 8, 8, 4, 4, 2, 64> {};
 
 // Query-side buffers (Q, dO) of the dK/dV kernel: with two (cp.async only) the next step's Q and
