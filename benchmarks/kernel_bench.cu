@@ -111,6 +111,10 @@ void run(int batch, int heads, int len) {
   const int64_t rows = static_cast<int64_t>(batch) * heads * len;
   using FCfg = FwdConfig<AmpereAtom, E, V>;
   using DqWs = DqWorkspace<AmpereAtom, BwdConfig<AmpereAtom, E, V>>;
+  using WideDqWs = DqWorkspace<
+      AmpereAtom, BwdConfig<AmpereAtom, E, V, 1,
+                            has_wide_bwd_tile<AmpereAtom, E, V>() ? BwdTileSize::kWide
+                                                                  : BwdTileSize::kCompact>>;
   Buffers buf;
   __half *q = buf.alloc<__half>(elems), *k = buf.alloc<__half>(elems);
   __half *v = buf.alloc<__half>(elems), *dout = buf.alloc<__half>(elems);
@@ -158,8 +162,9 @@ void run(int batch, int heads, int len) {
     bp.row_base = row_vectors + rows;
     bp.row_log2_norm = row_vectors + 2 * rows;
   }
-  // The workspace of the largest dQ tiling (the wide tile's query tiles are as tall).
-  float* dq_accum = buf.alloc<float>(DqWs::floats(batch * heads, len));
+  // The workspace of the largest dQ tiling (the wide tile's query tiles may be taller).
+  float* dq_accum = buf.alloc<float>(std::max(DqWs::floats(batch * heads, len),
+                                              WideDqWs::floats(batch * heads, len)));
   const auto dsum = flash_bwd_dsum_kernel<Fp16, is_general(V)>;
   // D pre-pass + dK/dV kernel of one backward configuration (BwdConfig: query-side buffers, tile).
   const auto bwd_ms = [&](auto stages, auto size) {

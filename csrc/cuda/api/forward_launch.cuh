@@ -33,7 +33,7 @@ void with_forward_kernel(MmaAtom atom, at::ScalarType dtype, const ForwardParams
       TORCH_CHECK(false, "flashv100: no decode tile for head dim ", D, " on this atom");
     } else if constexpr (V == kern::Variant::kPlain || V == kern::Variant::kMasked) {
       if (paged) {
-        f(kern::flash_fwd_kernel<A, E, D, V, true, S>, kern::FwdConfig<A, D, V, S>{},
+        f(kern::flash_fwd_kernel<A, E, D, V, true, S>, kern::FwdConfig<A, D, V, S, true>{},
           kDecode ? "flash_fwd (decode, paged)" : "flash_fwd (paged)");
       } else {
         f(kern::flash_fwd_kernel<A, E, D, V, false, S>, kern::FwdConfig<A, D, V, S>{},

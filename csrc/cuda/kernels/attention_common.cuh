@@ -116,12 +116,20 @@ struct Visibility {
   // Sets the entries of a warp's score tile at (row0, key0) that are not visible to -inf. The
   // per-tile test is one uniform branch around the whole tile: a test per entry made the
   // compiler wrap every entry in its own divergence region (BSSY/BSYNC), 10-20% of the kernels'
-  // stall samples on the H200.
+  // stall samples on the H200. An entry's row and column are its lane's first entry's plus a
+  // compile-time offset (both atoms), so an entry's tests take the lane's key room and diagonal
+  // in the tile plus immediates: tested as visible(row0 + r, key0 + c), the compiler kept every
+  // entry's offset in a register across the key loop (156 bytes of spills in a 128 x 64 forward
+  // tile, sm_80).
   template <class Acc>
   __device__ __forceinline__ void hide(Acc& s, int lane, int row0, int key0) const {
     if (!tile_needs_mask(row0, Acc::kTileRows, key0, Acc::kTileCols)) return;
+    const int r00 = Acc::row_of(lane, 0, 0), c00 = Acc::col_of(lane, 0, 0);
+    const int diag = key0 + c00 - row0 - r00;
+    const int kv_room = len_kv - key0 - c00;
     s.for_each(lane, [&](int, int, int r, int c, float& x) {
-      if (!visible(row0 + r, key0 + c)) x = neg_inf();
+      const int dc = c - c00, d = diag + dc - (r - r00);
+      if (!(dc < kv_room && d <= hi && d >= lo)) x = neg_inf();
     });
   }
   // The same problem with keys at and past `end` hidden (the alignment keeps the full key

@@ -56,23 +56,33 @@ constexpr int kDecodeRows = 32;
 // so each K/V fragment feeds two MMAs. The other variants at head dim 128 (mask reads, Philox
 // calls) fit 32 keys only next to 16-row warp tiles, which measured 11-15% (mask) and 1.6x
 // (dropout) faster than 32-row tiles of 16 keys on the H200 (the plain variant 7% slower).
-template <class Atom, int kHeadDim, Variant kVariant, FwdShape kShape = FwdShape::kPrefill>
+// kPaged: the kernel reads K/V through a block table (flash_fwd.cuh).
+template <class Atom, int kHeadDim, Variant kVariant, FwdShape kShape = FwdShape::kPrefill,
+          bool kPaged = false>
 struct FwdTile {
   static constexpr bool kWide =
       Atom::kAccumIsA && (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
   static constexpr int kWarps = 4;
   static constexpr int kKeyWarps = 1;  // warps that split a key tile (each its own rows here)
   static constexpr int kBlockM = kWide ? 128 : 64;
+  // At head dim 128 the wide tile of contiguous K/V takes 64 keys, FlashAttention-2's 128 x 64:
+  // half the block barriers and Q fragment loads per key of 32 keys, 6-8% faster on the H200
+  // (kernel_bench, plain, 512-4k keys). It fits 255 registers since Visibility::hide keeps no
+  // per-entry offsets; the paged kernel's page addressing still spilled 48 bytes (sm_80).
+  static constexpr bool kWideKeys = kWide && kHeadDim == 128 && !kPaged;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
   // (scripts/nvrtc_gate.py).
-  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : kHeadDim == 128 ? 32 : 16;
+  static constexpr int kBlockN =
+      kHeadDim <= 64 ? 64 : kHeadDim == 128 ? (kWideKeys ? 64 : 32) : 16;
   // K/V buffers (flash_fwd.cuh). One: V loads during S and the next K during P.V. Two (cp.async
-  // only) at head dim 128: the next tile's K and V load during this whole tile, one block barrier
-  // a tile. Forward on the H200 (kernel_bench, 4k and 512 keys): plain 2-4%, mask 22-23%,
-  // dropout 3-5%, mask + dropout 14-19% faster; at head dim 64 none (mask + dropout 1.5% slower).
-  // Shared memory 51 -> 68 KB (plain), 34 -> 51 KB (others): on a 100 KB SM (sm_86/89) the
-  // latter fit one block per SM instead of two (no such GPU measured).
-  static constexpr int kKVStages = Atom::kAsyncCopy && kHeadDim == 128 ? 2 : 1;
+  // only) in the 32-key tiles at head dim 128: the next tile's K and V load during this whole
+  // tile, one block barrier a tile. Forward on the H200 (kernel_bench, 4k and 512 keys): plain
+  // 2-4%, mask 22-23%, dropout 3-5%, mask + dropout 14-19% faster; at head dim 64 none (mask +
+  // dropout 1.5% slower). Shared memory 51 -> 68 KB (plain), 34 -> 51 KB (others): on a 100 KB SM
+  // (sm_86/89) the latter fit one block per SM instead of two (no such GPU measured). The 64-key
+  // tile keeps one (68 KB): two (102 KB) exceed sm_86/89's opt-in and measured 2% slower on the
+  // H200.
+  static constexpr int kKVStages = Atom::kAsyncCopy && kHeadDim == 128 && !kWideKeys ? 2 : 1;
 };
 
 // The Volta atom's decode tile at head dim 256 spilled (its B fragments, and V then staged
@@ -106,8 +116,8 @@ constexpr __host__ __device__ bool decode_tile_appends(int head_dim_bucket) {
 // Head dim 256 keeps two warps of 16 rows each over 16-key tiles: split by keys, its tile (two
 // buffers of 64 keys) exceeds shared memory on four warps, and spills on two (the masked paged
 // variant; scripts/nvrtc_gate.py).
-template <class Atom, int kHeadDim, Variant kVariant>
-struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode> {
+template <class Atom, int kHeadDim, Variant kVariant, bool kPaged>
+struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode, kPaged> {
   static_assert(!has_dropout(kVariant), "the decode tile takes no dropout");
   static_assert(has_decode_tile<Atom>(kHeadDim), "no decode tile for this atom and head dim");
   static constexpr bool kWide = false;
@@ -118,9 +128,10 @@ struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode> {
   static constexpr int kKVStages = Atom::kAsyncCopy ? 2 : 1;
 };
 
-template <class Atom, int kHeadDim_, Variant kVariant, FwdShape kShape = FwdShape::kPrefill>
-struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
-  using T = FwdTile<Atom, kHeadDim_, kVariant, kShape>;
+template <class Atom, int kHeadDim_, Variant kVariant, FwdShape kShape = FwdShape::kPrefill,
+          bool kPaged = false>
+struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape, kPaged> {
+  using T = FwdTile<Atom, kHeadDim_, kVariant, kShape, kPaged>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kGeneral = is_general(kVariant);
   static constexpr bool kDropout = has_dropout(kVariant);
@@ -166,12 +177,17 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape> {
   // Where kMinBlocks asks for none: paged kernels ask for one block, else ptxas spills the
   // general variant's page addressing to fit a third; the contiguous decode tile at head dim 32
   // asks for 4 (at most 128 registers), where ptxas' own choice, 96, spilled 4-8 bytes (Volta
-  // plain on sm_70, Ampere masked on sm_80; scripts/nvrtc_gate.py).
-  static constexpr int min_blocks(bool paged) {
-    return kMinBlocks != 0                             ? kMinBlocks
-           : paged                                     ? 1
+  // plain on sm_70, Ampere masked on sm_80); Volta prefill tiles of which a V100's 96 KB hold
+  // at most two blocks (head dims 64-256) ask for that many, where ptxas' own choice at head dim
+  // 128 planned four blocks of 128 registers and spilled 8 bytes (scripts/nvrtc_gate.py).
+  static constexpr int kVoltaResidentBlocks = Atom::kMaxSmemBytes / kSmemBytes;
+  static constexpr int min_blocks() {
+    return kMinBlocks != 0                                  ? kMinBlocks
+           : kPaged                                         ? 1
            : kShape == FwdShape::kDecode && kHeadDim_ == 32 ? 4
-                                                       : 0;
+           : Atom::kNativeArch < 800 && kShape == FwdShape::kPrefill && kVoltaResidentBlocks <= 2
+               ? kVoltaResidentBlocks
+               : 0;
   }
 };
 
@@ -186,17 +202,20 @@ struct BwdTileShape {
                        kSWarps = kSWarps_, kWarpsNS = kWarpsNS_, kWarpsNKV = kWarpsNKV_,
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
-// Backward tile sizes: kCompact fits every GPU of its atom (shared memory: configs below);
-// kWide is FlashAttention-2's 64 x 128 tile at head dim 128 (plain and dropout variants, cp.async
-// atoms; the masked ones spill 84-212 bytes) with two query-side buffers, 174.3 KB: only for GPUs
-// whose opt-in holds it (sm_90), picked at launch (with one buffer, 139.5 KB, the plain variant
-// spilled 60 bytes on sm_80). Against the 64 x 64 tile it halves
-// the dQ atomics and the Q/dO reloads per key; the H200 ran the backward 23-29% faster
-// (benchmarks/results/kernel_bench_h200_wide_tile.txt).
+// Backward tile sizes: kCompact fits every GPU of its atom (shared memory: configs below); kWide
+// is FlashAttention-2's tile on sm_90, with two query-side buffers, for GPUs whose opt-in holds
+// it (sm_90), picked at launch. Head dim 128: 64 x 128 (plain and dropout variants; the masked
+// ones spill 88-92 bytes; with one buffer, 139.5 KB, the plain variant spilled 60 bytes on
+// sm_80), 174.3 KB; against the 64 x 64 tile it halves the dQ atomics and the Q/dO reloads per
+// key, and the H200 ran the backward 23-29% faster
+// (benchmarks/results/kernel_bench_h200_wide_tile.txt). Head dim 64: 128 x 128 (plain only; the
+// dropout variant spills 56 bytes), 177 KB; against 64 x 128 it halves the K/V-side work per
+// query row (block barriers, the dS/P staging per step), 8-11% faster on the H200 (kernel_bench).
 enum class BwdTileSize { kCompact, kWide };
 template <class Atom, int kHeadDim, Variant kVariant>
 constexpr __host__ __device__ bool has_wide_bwd_tile() {
-  return Atom::kAsyncCopy && kHeadDim == 128 && !is_general(kVariant);
+  return Atom::kAsyncCopy && ((kHeadDim == 128 && !is_general(kVariant)) ||
+                              (kHeadDim == 64 && kVariant == Variant::kPlain));
 }
 template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize::kCompact>
 struct BwdTile;
@@ -214,8 +233,14 @@ template <bool G> struct BwdTile<AmpereAtom, 32, G> : BwdTileShape<64, 128, 8, 8
 template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8, 4, 2, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
-// 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles, 16 x 32 dQ warp tiles (8 x 8 dQ warp tiles were
-// slower); within 255 registers without spills on sm_80 in the plain and dropout variants only.
+// Head dim 64: 64 x 32 S warp tiles, 32 x 32 dK/dV and dQ warp tiles (FlashAttention-2's warp
+// grids; 32 x 64 S warp tiles spilled on sm_80).
+template <bool G>
+struct BwdTile<AmpereAtom, 64, G, BwdTileSize::kWide>
+    : BwdTileShape<128, 128, 8, 8, 4, 2, 2, 64> {};
+// Head dim 128: 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles, 16 x 32 dQ warp tiles (8 x 8 dQ
+// warp tiles were slower); within 255 registers without spills on sm_80 in the plain and dropout
+// variants only.
 template <bool G>
 struct BwdTile<AmpereAtom, 128, G, BwdTileSize::kWide>
     : BwdTileShape<64, 128, 8, 8, 4, 4, 2, 64> {};

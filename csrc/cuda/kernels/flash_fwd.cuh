@@ -36,10 +36,10 @@ constexpr float kLazyRescaleLog2 = 8.0f;
 // paged KV cache (FwdConfig::min_blocks). kShape: the prefill or the decode tile (configs.cuh).
 template <class Atom, class Elem, int kHeadDim, Variant kVariant, bool kPaged = false,
           FwdShape kShape = FwdShape::kPrefill>
-__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape>::kThreads,
-                                  FwdConfig<Atom, kHeadDim, kVariant, kShape>::min_blocks(kPaged))
+__global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kPaged>::kThreads,
+                                  FwdConfig<Atom, kHeadDim, kVariant, kShape, kPaged>::min_blocks())
     flash_fwd_kernel(const ForwardParams p) {
-  using Cfg = FwdConfig<Atom, kHeadDim, kVariant, kShape>;
+  using Cfg = FwdConfig<Atom, kHeadDim, kVariant, kShape, kPaged>;
   constexpr bool kGeneral = Cfg::kGeneral, kDropout = Cfg::kDropout;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kWarpRows = Cfg::kWarpRows, kWarpKeys = Cfg::kWarpKeys;

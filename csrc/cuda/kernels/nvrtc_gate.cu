@@ -52,16 +52,16 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(Atom, Elem, D, G)                                  \
   template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 2>(const BackwardParams,   \
                                                                       const float*, float*);
-// The wide backward tile (configs.cuh): head dim 128, plain and dropout variants.
-#define FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, V)                                      \
+// The wide backward tiles (configs.cuh, has_wide_bwd_tile).
+#define FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, D, V)                                   \
   template __global__ void                                                                      \
-  flash_bwd_dkdv_kernel<AmpereAtom, Elem, 128, V, 2, BwdTileSize::kWide>(                      \
+  flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide>(                        \
       const BackwardParams, const float*, float*);                                              \
   template __global__ void                                                                      \
-  flash_bwd_dq_kernel<AmpereAtom, Elem, 128, V, BwdTileSize::kWide>(                           \
-      const BackwardParams, const float*);                                                      \
+  flash_bwd_dq_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(const BackwardParams,        \
+                                                                   const float*);               \
   template __global__ void                                                                      \
-  flash_bwd_dq_convert_kernel<AmpereAtom, Elem, 128, V, BwdTileSize::kWide>(                   \
+  flash_bwd_dq_convert_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(                     \
       const BackwardParams, const float*);
 #define FLASHV100_INSTANTIATE_AMPERE(Elem, D)                                                   \
   FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Elem, D)                                          \
@@ -94,10 +94,12 @@ template __global__ void kvcache_append_kernel<Bf16>(const KVAppendParams);
 template __global__ void split_kv_combine_kernel<Bf16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_BF16)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, Variant::kPlain)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, Variant::kDropout)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, Variant::kPlain)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, Variant::kDropout)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 64, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 64, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 128, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 128, Variant::kDropout)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 128, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 128, Variant::kDropout)
 #endif
 
 }  // namespace kern
