@@ -66,8 +66,8 @@ struct FwdTile {
   static constexpr int kKeyWarps = 1;  // warps that split a key tile (each its own rows here)
   static constexpr int kBlockM = kWide ? 128 : 64;
   // At head dim 128 the wide tile of contiguous K/V takes 64 keys, FlashAttention-2's 128 x 64:
-  // half the block barriers and Q fragment loads per key of 32 keys, 6-8% faster on the H200
-  // (kernel_bench, plain, 512-4k keys). It fits 255 registers since Visibility::hide keeps no
+  // half the block barriers and Q fragment loads per key of 32 keys, 4-5% faster on the H200
+  // (kernel_bench, plain, 512-8k keys). It fits 255 registers since Visibility::hide keeps no
   // per-entry offsets; the paged kernel's page addressing still spilled 48 bytes (sm_80).
   static constexpr bool kWideKeys = kWide && kHeadDim == 128 && !kPaged;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
@@ -203,14 +203,15 @@ struct BwdTileShape {
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
 };
 // Backward tile sizes: kCompact fits every GPU of its atom (shared memory: configs below); kWide
-// is FlashAttention-2's tile on sm_90, with two query-side buffers, for GPUs whose opt-in holds
-// it (sm_90), picked at launch. Head dim 128: 64 x 128 (plain and dropout variants; the masked
-// ones spill 88-92 bytes; with one buffer, 139.5 KB, the plain variant spilled 60 bytes on
-// sm_80), 174.3 KB; against the 64 x 64 tile it halves the dQ atomics and the Q/dO reloads per
+// is FlashAttention-2's tile with two query-side buffers, picked at launch where the device's
+// opt-in holds it (sm_90). Head dim 128: 64 x 128 (plain and dropout variants; the masked
+// ones spill 88-92 bytes; with one buffer, 136.5 KB, the plain variant spilled 60 bytes on
+// sm_80), 170.5 KB; against the 64 x 64 tile it halves the dQ atomics and the Q/dO reloads per
 // key, and the H200 ran the backward 23-29% faster
 // (benchmarks/results/kernel_bench_h200_wide_tile.txt). Head dim 64: 128 x 128 (plain only; the
 // dropout variant spills 56 bytes), 177 KB; against 64 x 128 it halves the K/V-side work per
-// query row (block barriers, the dS/P staging per step), 8-11% faster on the H200 (kernel_bench).
+// query row (block barriers, the dS/P staging per step), 5-8% faster on the H200 (kernel_bench,
+// 512-4k keys).
 enum class BwdTileSize { kCompact, kWide };
 template <class Atom, int kHeadDim, Variant kVariant>
 constexpr __host__ __device__ bool has_wide_bwd_tile() {
