@@ -18,6 +18,16 @@ quarter of an m8n8k4 with fp32 accumulation) 2 (V100: 8 tensor cores of 64 FMA p
 SM); sm_80 HMMA.16816 8 (A100: 1024 dense fp16 FMA per cycle per SM). It is an upper bound: it
 ignores latency, bank conflicts and memory.
 
+It also gives the shared-memory ceiling: shared memory returns (or takes) 128 bytes per cycle per
+SM, one 32-bit register of a warp's 32 lanes (sm_70-sm_75; NVIDIA's answer in the developer
+forum thread "Unexpected shared memory bank conflict", 77228; sm_80 the same 128 bytes), so an
+instruction moving n registers per lane takes at least n cycles of it ("wavefronts": LDS/STS 1,
+.64 2, .128 4; LDSM .x1/.x2/.x4 1/2/4), whatever its addresses: a Volta fragment load (LDS.64,
+lanes n and n ^ 8 or n ^ 4 sharing each 8 bytes) takes 2, like an unshared one. With four
+schedulers an SM runs four warps' iterations in MMA * cycles per MMA cycles, against 4 *
+wavefronts cycles of shared memory: ceiling min(1, MMA * cycles per MMA / (4 * wavefronts)), a
+lower bound on shared-memory time (bank conflicts add to it).
+
 sm_70 needs a cuobjdump that still reads sm_70 (CUDA 12.x; 13.x refuses it): --cuobjdump PATH or
 $CUOBJDUMP, else the one on PATH. Triton's wheels carry one (triton/backends/nvidia/bin).
 
@@ -49,6 +59,23 @@ CLASSES = {
     "branch": ("BRA", "BSSY", "BSYNC", "WARPSYNC", "VOTE", "NOP", "BMOV", "DEPBAR"),
 }
 CLASS_OF = {op: name for name, ops in CLASSES.items() for op in ops}
+SCHEDULERS_PER_SM = 4
+WAVEFRONTS = "~wavefronts"  # a mix's shared-memory cycles: not an instruction class
+
+
+def smem_wavefronts(opcode: str) -> int:
+    """Cycles of the SM's 128-byte shared-memory data path an access takes at least: the 32-bit
+    registers it moves per lane (0 for instructions that are not shared-memory accesses)."""
+    parts = opcode.split(".")
+    if parts[0] == "LDSM":
+        return {"2": 2, "4": 4}.get(parts[-1], 1)
+    if parts[0] not in ("LDS", "STS"):
+        return 0
+    return 4 if "128" in parts else 2 if "64" in parts else 1
+
+
+def instructions(mix: collections.Counter) -> int:
+    return sum(v for k, v in mix.items() if k != WAVEFRONTS)
 
 
 @dataclass
@@ -151,11 +178,13 @@ def weighted_mix(code: list[Instruction], outer: Loop, loops: list[Loop], mma: s
             kind = ("mma" if ins.opcode.startswith(mma)
                     else CLASS_OF.get(ins.opcode.split(".")[0], "int/other"))
             mix[kind] += weight
+            mix[WAVEFRONTS] += weight * smem_wavefronts(ins.opcode)
         return mix
 
     def better(a, b):  # more MMA, then fewer (or more) instructions
         sign = -1 if fewest else 1
-        return b is None or (a["mma"], sign * sum(a.values())) > (b["mma"], sign * sum(b.values()))
+        return b is None or ((a["mma"], sign * instructions(a))
+                             > (b["mma"], sign * instructions(b)))
 
     entering = {body[0].address: collections.Counter()}
     for n, block in enumerate(blocks):
@@ -192,15 +221,21 @@ def report(name: str, code: list[Instruction], arch: str) -> str | None:
         return None
     loop, fewest, inner = best
     most, _ = weighted_mix(code, loop, loops, mma, fewest=False)
-    low, high = sum(fewest.values()), sum(most.values())
+    low, high = instructions(fewest), instructions(most)
     trips = ", ".join(f"{lp.start:#x}-{lp.end:#x} x{lp.trips or '?'}" for lp in inner) or "none"
-    parts = ", ".join(f"{k} {v}" for k, v in fewest.most_common())
+    parts = ", ".join(f"{k} {v}" for k, v in fewest.most_common() if k != WAVEFRONTS)
     ceiling = [100 * min(1.0, fewest["mma"] * cycles / n) for n in (high, low)]
+    waves = sorted((fewest[WAVEFRONTS], most[WAVEFRONTS]))
+    smem = [100 * min(1.0, fewest["mma"] * cycles / (SCHEDULERS_PER_SM * w)) if w else 100.0
+            for w in reversed(waves)]
     return (f"{name}\n  main loop {loop.start:#x}-{loop.end:#x} (inner loops: {trips})\n"
             f"  per iteration, fewest: {low} instructions: {parts}\n"
             f"  {fewest['mma']} MMA; {low / fewest['mma']:.2f}-{high / fewest['mma']:.2f} "
             f"instructions per MMA (fewest-most); issue ceiling {ceiling[0]:.0f}-{ceiling[1]:.0f}% "
-            f"of the tensor pipe")
+            f"of the tensor pipe\n"
+            f"  shared memory: {waves[0]}-{waves[1]} wavefronts, "
+            f"{waves[0] / fewest['mma']:.2f}-{waves[1] / fewest['mma']:.2f} per MMA; "
+            f"shared-memory ceiling {smem[0]:.0f}-{smem[1]:.0f}% of the tensor pipe")
 
 
 def sass_of(arch: str, source: str, cuobjdump: str) -> str:

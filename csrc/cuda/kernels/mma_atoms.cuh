@@ -69,7 +69,7 @@ struct VoltaAtom {
   static __device__ __forceinline__ void mma(float (&c)[kCRegs], const uint32_t (&a)[kARegs],
                                              const uint32_t (&b)[kBRegs]) {
     static_assert(!Elem::kIsBf16, "Volta tensor cores take fp16 only");
-#if defined(FLASHV100_WARP_EMULATION)
+#if defined(FLASHV100_HOST_EMULATION)
     emulated_mma_m8n8k4<AOp::kKContiguous, BOp::kKContiguous>(c, a, b);
 #else
 #define FLASHV100_MMA_M8N8K4(layouts)                                                          \

@@ -17,14 +17,22 @@ namespace kern {
 struct Fp16 {
   static constexpr bool kIsBf16 = false;
   static __device__ __forceinline__ float to_float(uint16_t bits) {
+#if defined(FLASHV100_HOST_EMULATION)
+    return emulated_half_to_float(bits);
+#else
     float out;
     asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(out) : "h"(bits));
     return out;
+#endif
   }
   static __device__ __forceinline__ uint16_t from_float(float x) {
+#if defined(FLASHV100_HOST_EMULATION)
+    return emulated_float_to_half(x);
+#else
     uint16_t out;
     asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(out) : "f"(x));
     return out;
+#endif
   }
 };
 
@@ -68,22 +76,35 @@ __device__ __forceinline__ float softmax_base(float row_max) {
   return row_max == neg_inf() ? 0.0f : row_max;
 }
 
+// The host emulation of the kernels (tests/atoms/cuda_host_emulation.h) takes exact host math.
 __device__ __forceinline__ float fast_exp2(float x) {
+#if defined(FLASHV100_HOST_EMULATION)
+  return exp2f(x);
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 __device__ __forceinline__ float fast_log2(float x) {
+#if defined(FLASHV100_HOST_EMULATION)
+  return log2f(x);
+#else
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 __device__ __forceinline__ float fast_rcp(float x) {
+#if defined(FLASHV100_HOST_EMULATION)
+  return 1.0f / x;
+#else
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 // tanh(x) = 1 - 2 / (e^2x + 1) to about 1e-7 absolute on every arch (sm_70 has no tanh.approx,
