@@ -4,7 +4,8 @@ tests/atoms/volta_kernel_emulation.cpp launches flash_fwd_kernel and the backwar
 do for a V100, with every block's threads as fibers and mma.m8n8k4 emulated from the PTX fragment
 maps (tests/atoms/cuda_host_emulation.h). Every output element is compared with an fp64 reference
 written from the definitions (common/params.h), fully hidden rows included, in FlashAttention-2's
-tolerance (twice the error of the same math in fp16)."""
+tolerance (twice the error of the same math in fp16). Dropout's keep mask is the CPU op's
+(flashv100::_dropout_mask: the same Philox stream by construction, common/philox.h)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def visible_keys(len_q, len_kv, causal, window):
     return keep
 
 
-def reference(q, k, v, dout, case, mask, dtype):
-    """out, lse and (q, k, v) gradients computed in `dtype` (softcap, then the mask's bias)."""
+def reference(q, k, v, dout, case, mask, keep, dtype):
+    """out, lse and (q, k, v) gradients computed in `dtype` (softcap, then the mask's bias; P
+    dropped where `keep` is False and scaled by 1 / (1 - p) elsewhere)."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
     scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * case["scale"]
@@ -51,22 +53,24 @@ def reference(q, k, v, dout, case, mask, dtype):
         scores = case["softcap"] * torch.tanh(scores / case["softcap"])
     if mask is not None:
         scores = scores + mask.to(dtype)
-    keep = visible_keys(q.shape[2], k.shape[2], case["causal"], case["window"])
-    scores = scores.masked_fill(~keep, -math.inf)
+    visible = visible_keys(q.shape[2], k.shape[2], case["causal"], case["window"])
+    scores = scores.masked_fill(~visible, -math.inf)
     row_max = scores.amax(-1, keepdim=True).detach()
     hidden = torch.isneginf(row_max)
     exp = torch.exp(scores - row_max.masked_fill(hidden, 0.0))
     total = exp.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
     probs = (exp / total).masked_fill(hidden, 0.0)
     lse = (row_max + torch.log(total)).masked_fill(hidden, -math.inf).squeeze(-1)
+    if keep is not None:
+        probs = probs * keep / (1.0 - case["dropout_p"])
     out = probs @ v.repeat_interleave(group, 1)
     out.backward(dout.to(dtype))
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 def run_case(emulator, tmp_path, *, batch=1, heads_q=2, heads_kv=1, len_q=40, len_kv=56,
-             head_dim=64, causal=0, window=(-1, -1), softcap=0.0, mask=None, backward=True,
-             deterministic=False, scale=None, seed=0):
+             head_dim=64, causal=0, window=(-1, -1), softcap=0.0, mask=None, dropout_p=0.0,
+             backward=True, deterministic=False, scale=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads_q, len_q, head_dim, generator=g).half()
     k = torch.randn(batch, heads_kv, len_kv, head_dim, generator=g).half()
@@ -75,8 +79,8 @@ def run_case(emulator, tmp_path, *, batch=1, heads_q=2, heads_kv=1, len_q=40, le
     case = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, len_q=len_q, len_kv=len_kv,
                 head_dim=head_dim, scale=head_dim ** -0.5 if scale is None else scale,
                 causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
-                mask=int(mask is not None), backward=int(backward),
-                deterministic=int(deterministic))
+                mask=int(mask is not None), dropout_p=dropout_p, seed=1234 + seed, offset=64,
+                backward=int(backward), deterministic=int(deterministic))
     (tmp_path / "case.txt").write_text("".join(f"{k} {v!r}\n" for k, v in case.items()))
     tensors = dict(q=q, k=k, v=v, dout=dout)
     if mask is not None:
@@ -91,8 +95,13 @@ def run_case(emulator, tmp_path, *, batch=1, heads_q=2, heads_kv=1, len_q=40, le
         return torch.from_numpy(np.fromfile(tmp_path / name, dtype=dtype)).reshape(like.shape)
 
     case.update(window=window)
-    ref = reference(q, k, v, dout, case, mask, torch.float64)
-    low = reference(q, k, v, dout, case, mask, torch.float16)
+    keep = None
+    if dropout_p > 0:
+        import torch_flash_v100  # noqa: F401  (registers the ops)
+        keep = torch.ops.flashv100._dropout_mask(torch.tensor([case["seed"], case["offset"]]),
+                                                 batch, heads_q, len_q, len_kv, dropout_p)
+    ref = reference(q, k, v, dout, case, mask, keep, torch.float64)
+    low = reference(q, k, v, dout, case, mask, keep, torch.float16)
     out = result("out", q)
     lse = result("lse", q[..., 0], np.float32)
     assert_fa2_close(out, ref[0], low[0], "out")
@@ -139,6 +148,15 @@ def test_left_padding_mask_with_hidden_rows(emulator, tmp_path, deterministic, h
              len_kv=len_q, head_dim=head_dim, causal=1, mask=mask, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout_with_and_without_mask(emulator, tmp_path, head_dim):
+    mask = torch.randn(1, 2, 60, 75, generator=torch.Generator().manual_seed(2))
+    mask[..., 70:] = -math.inf
+    run_case(emulator, tmp_path, head_dim=head_dim, len_q=60, len_kv=75, dropout_p=0.2, causal=2)
+    run_case(emulator, tmp_path, head_dim=head_dim, len_q=60, len_kv=75, dropout_p=0.2,
+             mask=mask, deterministic=True)
+
+
 def test_gqa_deterministic_dq(emulator, tmp_path):
     run_case(emulator, tmp_path, heads_q=4, heads_kv=1, len_q=80, len_kv=80, head_dim=96,
              causal=2, deterministic=True)
@@ -150,8 +168,8 @@ def test_a_broken_kernel_fails(emulator, tmp_path, monkeypatch):
 
     real = this.reference
 
-    def shifted(q, k, v, dout, case, mask, dtype):
-        return real(q, k, v, dout, dict(case, scale=case["scale"] * 1.25), mask, dtype)
+    def shifted(q, k, v, dout, case, mask, keep, dtype):
+        return real(q, k, v, dout, dict(case, scale=case["scale"] * 1.25), mask, keep, dtype)
 
     monkeypatch.setattr(this, "reference", shifted)
     with pytest.raises(AssertionError):

@@ -7,7 +7,8 @@
 //
 //   volta_kernel_emulation DIR
 // DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim scale causal
-// window_left window_right softcap mask backward deterministic). Tensors, raw little-endian:
+// window_left window_right softcap mask dropout_p seed offset backward deterministic). Tensors,
+// raw little-endian:
 // q [B, Hq, Lq, d], k / v [B, Hkv, Lkv, d], dout like q (fp16); mask [B, Hq, Lq, Lkv] fp32
 // (additive; "mask 1"). Writes out (fp16, like q), lse [B, Hq, Lq] (fp32) and with "backward 1"
 // dq, dk, dv (fp16). Shared memory is filled with NaN before each block, so that a read of
@@ -119,6 +120,9 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
     p.mask.row_stride = Lkv;
     p.mask.col_stride = 1;
   }
+  p.dropout.p = static_cast<float>(c.at("dropout_p"));
+  p.dropout.seed = static_cast<uint64_t>(c.at("seed"));
+  p.dropout.offset = static_cast<uint64_t>(c.at("offset"));
 
   using FwdCfg = kern::FwdConfig<VoltaAtom, D, V>;
   launch(dim3{static_cast<unsigned>(ceil_div(Lq, FwdCfg::kBlockM)), static_cast<unsigned>(B * Hq), 1},
@@ -174,14 +178,15 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   write_tensor(dir + "/dv", dv);
 }
 
-// The launchers' variant rule (csrc/cuda/api/dispatch.cuh, variant_of), without dropout.
+// The launchers' variant rule (csrc/cuda/api/dispatch.cuh, variant_of).
 template <int D>
 void run_variant(const std::map<std::string, double>& c, const std::string& dir) {
   const bool general = c.at("mask") != 0 || !(c.at("scale") > 0.0) || c.at("softcap") > 0.0;
+  const bool dropout = c.at("dropout_p") > 0.0;
   if (general) {
-    run<D, Variant::kMasked>(c, dir);
+    dropout ? run<D, Variant::kMaskedDropout>(c, dir) : run<D, Variant::kMasked>(c, dir);
   } else {
-    run<D, Variant::kPlain>(c, dir);
+    dropout ? run<D, Variant::kDropout>(c, dir) : run<D, Variant::kPlain>(c, dir);
   }
 }
 

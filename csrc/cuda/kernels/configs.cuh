@@ -83,6 +83,12 @@ struct FwdTile {
   // tile keeps one (68 KB): two (102 KB) exceed sm_86/89's opt-in and measured 2% slower on the
   // H200.
   static constexpr int kKVStages = Atom::kAsyncCopy && kHeadDim == 128 && !kWideKeys ? 2 : 1;
+  // Volta keeps each warp's Q fragments in registers over the key loop (warp_tile.cuh,
+  // RegisterOperand) up to head dim 128: 2 per 4 columns, 64 registers at 128. Its products are
+  // bound by shared memory's 128 bytes a cycle, which a fragment load (LDS.64) takes 2 cycles of;
+  // the Q loads were 18% of the plain forward's shared-memory cycles at head dims 64 and 128
+  // (scripts/sass_loops.py, sm_70).
+  static constexpr bool kQInRegisters = Atom::kNativeArch < 800 && kHeadDim <= 128;
 };
 
 // The Volta atom's decode tile at head dim 256 spilled (its B fragments, and V then staged
@@ -126,6 +132,7 @@ struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode, kPaged> {
   static constexpr int kBlockM = 16 * (kWarps / kKeyWarps);
   static constexpr int kBlockN = kKeyWarps * (kHeadDim <= 64 ? 32 : 16);
   static constexpr int kKVStages = Atom::kAsyncCopy ? 2 : 1;
+  static constexpr bool kQInRegisters = false;
 };
 
 template <class Atom, int kHeadDim_, Variant kVariant, FwdShape kShape = FwdShape::kPrefill,

@@ -152,7 +152,20 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   const float ln_unit = kGeneral ? 1.0f : scale;
   const int k_extent = round_up(d, Atom::kK);
   const int n_extent = round_up(d, Atom::kN);
-  const KMajor q_op{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
+  // Q as the A operand of S: from shared memory, or (configs.cuh, kQInRegisters) loaded into
+  // registers once, after a barrier (the Volta atom's staging stores are synchronous).
+  const auto q_op = [&] {
+    const KMajor q_smem{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
+    if constexpr (Cfg::kQInRegisters) {
+      static_assert(!Atom::kAsyncCopy, "Q in registers is read after synchronous stores");
+      RegisterOperand<Atom, kWarpRows, kHeadDim, KMajor> q_regs;
+      __syncthreads();
+      q_regs.load(q_smem, lane);
+      return q_regs;
+    } else {
+      return q_smem;
+    }
+  }();
   const KMajor p_op{sP + warp_row0 * Cfg::kLdP + warp_key0, Cfg::kLdP};
   // B operand of P.V over the warp's keys: V(j, e) addressed as (n = e, k = j).
   const auto v_op = [&](int buf) {

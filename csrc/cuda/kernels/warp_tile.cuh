@@ -14,6 +14,7 @@ namespace kern {
 template <bool kKContiguous_>
 struct SmemOperand {
   static constexpr bool kKContiguous = kKContiguous_;
+  static constexpr bool kInRegisters = false;
   const uint16_t* base;
   int ld;
 
@@ -32,6 +33,26 @@ struct SmemOperand {
 };
 using KMajor = SmemOperand<true>;
 using MMajor = SmemOperand<false>;
+
+// The A operand of a warp tile of kRows rows over k in [0, kMaxK) held in registers: every
+// fragment loaded once from shared memory (the operand Op), for products that reuse it with many
+// B operands (Volta's Q over the key tiles: shared memory's 128 bytes a cycle bound Volta's
+// products, not the issue rate; scripts/sass_loops.py). The fragments keep Op's layout.
+template <class Atom, int kRows, int kMaxK, class Op>
+struct RegisterOperand {
+  static constexpr bool kKContiguous = Op::kKContiguous;
+  static constexpr bool kInRegisters = true;
+  static constexpr int kSteps = kMaxK / Atom::kK, kFragM = kRows / Atom::kM;
+  uint32_t frag[kSteps][kFragM][Atom::kARegs];
+
+  __device__ __forceinline__ void load(const Op& op, int lane) {
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step)
+#pragma unroll
+      for (int fm = 0; fm < kFragM; ++fm)
+        Atom::load_a(op, fm * Atom::kM, step * Atom::kK, lane, frag[step][fm]);
+  }
+};
 
 // One warp's kRows x kCols fp32 accumulator, made of kFragM x kFragN atom tiles.
 template <class Atom, int kRows, int kCols>
@@ -146,8 +167,10 @@ __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::k
 // previous step's MMAs. Volta's steps (k 4) are unrolled as far as the fragments of the unrolled
 // steps fit kVoltaFragmentRegs registers (a power of two of steps): without it, address math and
 // the loop's branch issue beside every step's 8 MMAs, and sm_70 issues one MMA in two cycles
-// (scripts/sass_loops.py). More registers spill (scripts/nvrtc_gate.py). The Volta atom runs the
-// same code on sm_80+, its correctness path, so that the GPU suite there tests what a V100 runs.
+// (scripts/sass_loops.py). More registers spill (scripts/nvrtc_gate.py). An A operand in
+// registers (RegisterOperand) unrolls whole: its fragments are indexed by step. The Volta atom
+// runs the same code on sm_80+, its correctness path, so that the GPU suite there tests what a
+// V100 runs.
 constexpr __host__ __device__ int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
 constexpr int kVoltaFragmentRegs = 32;
 template <class Atom, class Elem, int kMaxK, bool kStraight = true, class Acc, class AOp, class BOp>
@@ -156,12 +179,20 @@ __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, 
   constexpr int kSteps = kMaxK / Atom::kK;
   constexpr int kStepRegs = Acc::kFragM * Atom::kARegs + Acc::kFragN * Atom::kBRegs;
   constexpr int kVoltaUnroll = floor_pow2(kVoltaFragmentRegs / kStepRegs);
-  constexpr int kUnroll = Atom::kLdmatrix || kSteps < kVoltaUnroll ? kSteps : kVoltaUnroll;
+  constexpr int kUnroll =
+      Atom::kLdmatrix || AOp::kInRegisters || kSteps < kVoltaUnroll ? kSteps : kVoltaUnroll;
   const auto k_step = [&](int k0, auto checked) {
-    uint32_t af[Acc::kFragM][Atom::kARegs];
+    if constexpr (AOp::kInRegisters) {
+      static_assert(AOp::kSteps == kSteps && AOp::kFragM == Acc::kFragM,
+                    "register operand must cover the product");
+      mma_k_step<Atom, Elem, decltype(checked)::value, AOp>(acc, a.frag[k0 / Atom::kK], b, k0,
+                                                            n_extent, lane);
+    } else {
+      uint32_t af[Acc::kFragM][Atom::kARegs];
 #pragma unroll
-    for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
-    mma_k_step<Atom, Elem, decltype(checked)::value, AOp>(acc, af, b, k0, n_extent, lane);
+      for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
+      mma_k_step<Atom, Elem, decltype(checked)::value, AOp>(acc, af, b, k0, n_extent, lane);
+    }
   };
   if (kStraight && k_extent == kMaxK && n_extent >= Acc::kFragN * Atom::kN) {
 #pragma unroll kUnroll
