@@ -12,12 +12,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ATOMS = ROOT / "tests" / "atoms"
 
 
-def build_emulation(source: str, binary: Path) -> Path:
-    """Compiles tests/atoms/`source` into `binary`; fails the test with the compiler's errors."""
+def build_emulation(source: str, binary: Path, defines=()) -> Path:
+    """Compiles tests/atoms/`source` (with -D`defines`) into `binary`; fails the test with the
+    compiler's errors."""
     compiler = shlex.split(os.environ.get("CXX", "c++"))
     build = subprocess.run(
         [*compiler, "-std=c++17", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-variable",
-         f"-I{ROOT / 'csrc'}", f"-I{ATOMS}", str(ATOMS / source), "-o", str(binary)],
+         *(f"-D{d}" for d in defines), f"-I{ROOT / 'csrc'}", f"-I{ATOMS}", str(ATOMS / source),
+         "-o", str(binary)],
         capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     return binary

@@ -4,12 +4,14 @@
 // one after another, sharing one shared-memory buffer (`smem_raw`).
 //
 // What it emulates: threadIdx / blockIdx / blockDim / gridDim, __syncthreads (live threads),
-// __syncwarp, __shfl_xor_sync, __any_sync, mma.sync.m8n8k4 (the Volta atom, from the PTX ISA's
-// fragment maps, independently of the atom's own), the fp16 conversions and the approximate
-// exp2 / log2 / rcp (exact host math: results differ from a GPU's by rounding), and atomicAdd
-// (fibers never interleave inside one). What it does not: data races (a missing barrier is not
-// seen unless it changes the order the fibers run in), the Ampere atom (ldmatrix, m16n8k16),
-// cp.async, memory-model or timing effects. Include it before any kernel header.
+// __syncwarp, __shfl_xor_sync, __any_sync, the tensor-core instructions of both atoms from the
+// PTX ISA's fragment maps, independently of the atoms' own (mma.sync.m8n8k4; ldmatrix .x2/.x4
+// with and without .trans and mma.sync.m16n8k16 in fp16 and bf16), cp.async (a synchronous copy:
+// one order the asynchronous one may take), the fp16 conversions and the approximate exp2 / log2 /
+// rcp (exact host math: results differ from a GPU's by rounding), and atomicAdd (fibers never
+// interleave inside one). What it does not: data races (a missing barrier is not seen unless it
+// changes the order the fibers run in), memory-model or timing effects. Include it before any
+// kernel header.
 #pragma once
 
 #include <ucontext.h>
@@ -108,8 +110,8 @@ struct Fiber {
 struct Warp {
   int arrived = 0;
   long generation = 0;
-  uint64_t exchange[32];  // __shfl_xor_sync / __any_sync values
-  uint32_t mma_a[32][2], mma_b[32][2];
+  uint64_t exchange[32];  // __shfl_xor_sync / __any_sync values, ldmatrix addresses
+  uint32_t mma_a[32][4], mma_b[32][2];
 };
 
 struct Block {
@@ -311,7 +313,7 @@ void emulated_mma_m8n8k4(float (&c)[8], const uint32_t (&a)[2], const uint32_t (
   std::memcpy(w.mma_a[lane], a, sizeof(a));
   std::memcpy(w.mma_b[lane], b, sizeof(b));
   cuda_emulation::warp_barrier();
-  const auto value = [](const uint32_t (&regs)[2], int v) {
+  const auto value = [](const uint32_t* regs, int v) {
     return emulated_half_to_float(static_cast<uint16_t>(regs[v >> 1] >> (16 * (v & 1))));
   };
   const int q = (lane >> 2) & 3;
@@ -331,4 +333,66 @@ void emulated_mma_m8n8k4(float (&c)[8], const uint32_t (&a)[2], const uint32_t (
     for (int k = 0; k < 4; ++k) c[v] += a_at(row, k) * b_at(k, col);
   }
   cuda_emulation::warp_barrier();  // every lane has read the fragments before any writes new ones
+}
+
+inline float emulated_bf16_to_float(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+
+// ldmatrix.sync.aligned.m8n8.xN[.trans].shared.b16: lanes 8 i .. 8 i + 7 give the addresses of rows
+// 0-7 of matrix i; register i of lane l holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of
+// matrix i (low half first), or with .trans its column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1.
+template <bool kTrans, int kCount>
+void emulated_ldmatrix(const uint16_t* row, uint32_t* (&regs)[kCount]) {
+  cuda_emulation::Warp& w = cuda_emulation::warp();
+  const int lane = cuda_emulation::lane();
+  w.exchange[lane] = reinterpret_cast<uint64_t>(row);
+  cuda_emulation::warp_barrier();
+  const auto address = [&](int matrix, int r) {
+    return reinterpret_cast<const uint16_t*>(w.exchange[8 * matrix + r]);
+  };
+  for (int i = 0; i < kCount; ++i) {
+    uint16_t h[2];
+    for (int e = 0; e < 2; ++e) {
+      const int r = lane / 4, c = 2 * (lane % 4) + e;
+      h[e] = kTrans ? address(i, c)[r] : address(i, r)[c];
+    }
+    *regs[i] = static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
+  }
+  cuda_emulation::warp_barrier();
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16|bf16}: with g = lane / 4, t = lane % 4, A register j
+// holds row g + 8 (j & 1), columns 2 t + 8 (j >> 1) + {0, 1}; B register j rows (k) 2 t + 8 j +
+// {0, 1}, column g; C element i sits at row g + 8 (i >> 1), column 2 t + (i & 1).
+template <bool kBf16>
+void emulated_mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  cuda_emulation::Warp& w = cuda_emulation::warp();
+  const int lane = cuda_emulation::lane();
+  std::memcpy(w.mma_a[lane], a, sizeof(a));
+  std::memcpy(w.mma_b[lane], b, sizeof(b));
+  cuda_emulation::warp_barrier();
+  const auto half = [](uint32_t reg, int e) {
+    const uint16_t h = static_cast<uint16_t>(reg >> (16 * e));
+    return kBf16 ? emulated_bf16_to_float(h) : emulated_half_to_float(h);
+  };
+  const auto a_at = [&](int m, int k) {
+    return half(w.mma_a[4 * (m % 8) + (k % 8) / 2][(m / 8) + 2 * (k / 8)], k & 1);
+  };
+  const auto b_at = [&](int k, int n) {
+    return half(w.mma_b[4 * n + (k % 8) / 2][k / 8], k & 1);
+  };
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    for (int k = 0; k < 16; ++k) c[i] += a_at(row, k) * b_at(k, col);
+  }
+  cuda_emulation::warp_barrier();
+}
+
+// cp.async of 16 bytes, or 16 zero bytes where src is null.
+inline void emulated_cp_async_16(uint16_t* dst, const uint16_t* src) {
+  if (src != nullptr) {
+    std::memcpy(dst, src, 16);
+  } else {
+    std::memset(dst, 0, 16);
+  }
 }

@@ -155,6 +155,9 @@ struct AmpereAtom {
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                    : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
     }
+#elif defined(FLASHV100_HOST_EMULATION)
+    uint32_t* regs[4] = {&r0, &r1, &r2, &r3};
+    emulated_ldmatrix<kTrans, 4>(row, regs);
 #else
     (void)row, (void)r0, (void)r1, (void)r2, (void)r3;
     __trap();
@@ -172,6 +175,9 @@ struct AmpereAtom {
       asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                    : "=r"(r0), "=r"(r1) : "r"(addr));
     }
+#elif defined(FLASHV100_HOST_EMULATION)
+    uint32_t* regs[2] = {&r0, &r1};
+    emulated_ldmatrix<kTrans, 2>(row, regs);
 #else
     (void)row, (void)r0, (void)r1;
     __trap();
@@ -227,6 +233,8 @@ struct AmpereAtom {
           : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
+#elif defined(FLASHV100_HOST_EMULATION)
+    emulated_mma_m16n8k16<Elem::kIsBf16>(c, a, b);
 #else
     __trap();  // never launched below sm_80: the launcher picks VoltaAtom there
 #endif

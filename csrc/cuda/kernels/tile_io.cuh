@@ -91,6 +91,9 @@ __device__ __forceinline__ void cp_async_16(uint16_t* dst, const uint16_t* src,
   const uint32_t dst_shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst_shared),
                "l"(valid ? src : fallback), "r"(valid ? 16 : 0));
+#elif defined(FLASHV100_HOST_EMULATION)
+  (void)fallback;
+  emulated_cp_async_16(dst, valid ? src : nullptr);
 #else
   (void)dst, (void)src, (void)fallback, (void)valid;
   __trap();

@@ -1,0 +1,258 @@
+// The attention kernels (flash_fwd.cuh, flash_bwd.cuh) of one atom and head-dim bucket run whole
+// on the CPU by the host emulation (cuda_host_emulation.h), launched as the CUDA launchers launch
+// them (csrc/cuda/api/forward_launch.cuh, backward_launch.cuh): the forward in the prefill or the
+// decode tile, then optionally the D pre-pass, dK/dV and dQ (atomic workspace + convert, or the
+// deterministic kernel) in one of the backward configurations (query-side buffers, tile size).
+// tests/test_kernel_emulation.py builds it per (atom, bucket), writes a case and compares the
+// results with the fp64 reference.
+//
+//   c++ -std=c++17 -O1 -Icsrc -Itests/atoms -DEMULATED_ATOM=VoltaAtom -DEMULATED_HEAD_DIM=128 \
+//       tests/atoms/kernel_emulation.cpp && ./a.out DIR
+// DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim bf16 scale causal
+// window_left window_right softcap mask dropout_p seed offset decode_tile backward deterministic
+// bwd_stages bwd_wide). Tensors, raw little-endian: q [B, Hq, Lq, d], k / v [B, Hkv, Lkv, d],
+// dout like q (fp16 or bf16); mask [B, Hq, Lq, Lkv] fp32 (additive; "mask 1"). Writes out (like
+// q), lse [B, Hq, Lq] (fp32) and with "backward 1" dq, dk, dv. Exits with 3 for a configuration
+// the launchers never run (e.g. two query buffers on the Volta atom). Shared memory is filled
+// with NaN before each block, so that a read of anything a block did not write shows up in its
+// results.
+#include "cuda_host_emulation.h"
+
+#include <fstream>
+#include <map>
+#include <type_traits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/kernels/flash_bwd.cuh"
+#include "cuda/kernels/flash_fwd.cuh"
+
+namespace flashv100 {
+namespace kern {
+// The kernels' `extern __shared__ uint4 smem_raw[]`: one block runs at a time.
+uint4 smem_raw[kBwdLargestSmemBytes / sizeof(uint4)];
+}  // namespace kern
+}  // namespace flashv100
+
+namespace {
+
+using namespace flashv100;
+using kern::Variant;
+using Atom = kern::EMULATED_ATOM;
+constexpr int kBucket = EMULATED_HEAD_DIM;
+
+std::map<std::string, double> read_case(const std::string& dir) {
+  std::ifstream in(dir + "/case.txt");
+  std::map<std::string, double> c;
+  std::string key;
+  double value;
+  while (in >> key >> value) c[key] = value;
+  return c;
+}
+
+template <class T>
+std::vector<T> read_tensor(const std::string& path, size_t count) {
+  std::vector<T> v(count);
+  std::ifstream in(path, std::ios::binary);
+  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(count * sizeof(T)));
+  if (!in) {
+    std::fprintf(stderr, "cannot read %zu values from %s\n", count, path.c_str());
+    std::exit(2);
+  }
+  return v;
+}
+
+template <class T>
+void write_tensor(const std::string& path, const std::vector<T>& v) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
+}
+
+TensorStrides bhld_strides(int64_t heads, int64_t len, int64_t d) {
+  return TensorStrides{heads * len * d, len * d, d};
+}
+
+// Every block starts from shared memory full of NaN (0x7e00 halves, 0x7e007e00 floats).
+template <class Kernel, class... Args>
+void launch(dim3 grid, int threads, Kernel kernel, const Args&... args) {
+  cuda_emulation::launch(grid, threads, [&] {
+    if (threadIdx.x == 0) {
+      uint16_t* s = reinterpret_cast<uint16_t*>(kern::smem_raw);
+      std::fill(s, s + sizeof(kern::smem_raw) / 2, static_cast<uint16_t>(0x7e00));
+    }
+    __syncthreads();
+    kernel(args...);
+  });
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+unsigned grid(int64_t n) { return static_cast<unsigned>(n); }
+
+[[noreturn]] void unsupported(const char* what) {
+  std::fprintf(stderr, "not a configuration the launchers run: %s\n", what);
+  std::exit(3);
+}
+
+// The backward after a forward: the D pre-pass, dK/dV and dQ in the configuration (query-side
+// buffers, tile size) backward_launch.cuh's `run` would launch.
+template <class Elem, int D, Variant V, int kStages, kern::BwdTileSize kSize>
+void run_backward(BackwardParams& bp) {
+  const AttentionShape& s = bp.fwd.shape;
+  using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
+  using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
+  std::vector<float> dsum(s.batch * s.heads_q * s.len_q, NAN), dq_accum;
+  kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
+  if (!bp.deterministic) {
+    dq_accum.assign(DqWorkspace::floats(s.batch * s.heads_q, s.len_q), NAN);  // zeroed by D's pass
+    dq_ws = DqWorkspace::rows(dq_accum.data(), s.len_q);
+  }
+  launch(dim3{grid(ceil_div(s.batch * s.heads_q * dq_ws.padded_len_q, 4)), 1, 1}, 128,
+         kern::flash_bwd_dsum_kernel<Elem, kern::is_general(V)>, bp, dsum.data(), dq_ws);
+  launch(dim3{grid(ceil_div(s.len_kv, Cfg::kBlockN)), grid(s.batch * s.heads_kv), 1},
+         Cfg::kThreads, kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>, bp,
+         static_cast<const float*>(dsum.data()), bp.deterministic ? nullptr : dq_accum.data());
+  if (bp.deterministic) {
+    launch(dim3{grid(ceil_div(s.len_q, Cfg::kBlockM)), grid(s.batch * s.heads_q), 1},
+           Cfg::kThreads, kern::flash_bwd_dq_kernel<Atom, Elem, D, V, kSize>, bp,
+           static_cast<const float*>(dsum.data()));
+  } else {
+    launch(dim3{grid(DqWorkspace::query_tiles(s.len_q)), grid(s.batch * s.heads_q), 1},
+           Cfg::kThreads, kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V, kSize>, bp,
+           static_cast<const float*>(dq_accum.data()));
+  }
+}
+
+template <class Elem, Variant V>
+void run(const std::map<std::string, double>& c, const std::string& dir) {
+  constexpr int D = kBucket;
+  const int64_t B = c.at("batch"), Hq = c.at("heads_q"), Hkv = c.at("heads_kv");
+  const int64_t Lq = c.at("len_q"), Lkv = c.at("len_kv"), d = c.at("head_dim");
+  std::vector<uint16_t> q = read_tensor<uint16_t>(dir + "/q", B * Hq * Lq * d);
+  std::vector<uint16_t> k = read_tensor<uint16_t>(dir + "/k", B * Hkv * Lkv * d);
+  std::vector<uint16_t> v = read_tensor<uint16_t>(dir + "/v", B * Hkv * Lkv * d);
+  std::vector<float> mask;
+  std::vector<uint16_t> out(B * Hq * Lq * d, 0x7e00);
+  std::vector<float> lse(B * Hq * Lq, NAN);
+
+  ForwardParams p;
+  p.shape = AttentionShape{B, Hq, Hkv, Lq, Lkv, d, d};
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.out = out.data();
+  p.lse = lse.data();
+  p.lse_layout = LseLayout{Hq * Lq, Lq};
+  p.q_strides = p.out_strides = bhld_strides(Hq, Lq, d);
+  p.k_strides = p.v_strides = bhld_strides(Hkv, Lkv, d);
+  p.scale = c.at("scale");
+  p.causal = static_cast<CausalMode>(static_cast<int>(c.at("causal")));
+  p.window = WindowParams{static_cast<int32_t>(c.at("window_left")),
+                          static_cast<int32_t>(c.at("window_right"))};
+  p.score_mod.softcap = static_cast<float>(c.at("softcap"));
+  if (c.at("mask") != 0) {
+    mask = read_tensor<float>(dir + "/mask", B * Hq * Lq * Lkv);
+    p.mask.ptr = mask.data();
+    p.mask.kind = MaskKind::kAdditive;
+    p.mask.dtype = ScalarKind::kFloat;
+    p.mask.batch_stride = Hq * Lq * Lkv;
+    p.mask.head_stride = Lq * Lkv;
+    p.mask.row_stride = Lkv;
+    p.mask.col_stride = 1;
+  }
+  p.dropout.p = static_cast<float>(c.at("dropout_p"));
+  p.dropout.seed = static_cast<uint64_t>(c.at("seed"));
+  p.dropout.offset = static_cast<uint64_t>(c.at("offset"));
+
+  const auto forward = [&](auto shape) {
+    constexpr kern::FwdShape kShape = decltype(shape)::value;
+    using Cfg = kern::FwdConfig<Atom, D, V, kShape>;
+    launch(dim3{grid(ceil_div(Lq, Cfg::kBlockM)), grid(B * Hq), 1}, Cfg::kThreads,
+           kern::flash_fwd_kernel<Atom, Elem, D, V, false, kShape>, p);
+  };
+  if (c.at("decode_tile") != 0) {
+    if constexpr (kern::has_decode_tile<Atom>(D) && !kern::has_dropout(V)) {
+      if (Lq > kern::kDecodeRows) unsupported("the decode tile takes at most kDecodeRows rows");
+      forward(std::integral_constant<kern::FwdShape, kern::FwdShape::kDecode>{});
+    } else {
+      unsupported("no decode tile for this atom, head dim and variant");
+    }
+  } else {
+    forward(std::integral_constant<kern::FwdShape, kern::FwdShape::kPrefill>{});
+  }
+  write_tensor(dir + "/out", out);
+  write_tensor(dir + "/lse", lse);
+  if (c.at("backward") == 0) return;
+
+  std::vector<uint16_t> dout = read_tensor<uint16_t>(dir + "/dout", B * Hq * Lq * d);
+  std::vector<uint16_t> dq(q.size(), 0x7e00), dk(k.size(), 0x7e00), dv(v.size(), 0x7e00);
+  std::vector<float> row_base(B * Hq * Lq, NAN), row_log2_norm(B * Hq * Lq, NAN);
+  BackwardParams bp;
+  bp.fwd = p;
+  bp.dout = dout.data();
+  bp.dq = dq.data();
+  bp.dk = dk.data();
+  bp.dv = dv.data();
+  bp.dout_strides = bp.dq_strides = p.q_strides;
+  bp.dk_strides = bp.dv_strides = p.k_strides;
+  if (kern::is_general(V)) {
+    bp.row_base = row_base.data();
+    bp.row_log2_norm = row_log2_norm.data();
+  }
+  bp.deterministic = c.at("deterministic") != 0;
+  using kern::BwdTileSize;
+  if (c.at("bwd_wide") != 0) {
+    if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
+      run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp);
+    } else {
+      unsupported("no wide backward tile for this atom, head dim and variant");
+    }
+  } else if (c.at("bwd_stages") == 2) {
+    if constexpr (Atom::kAsyncCopy) {
+      run_backward<Elem, D, V, 2, BwdTileSize::kCompact>(bp);
+    } else {
+      unsupported("two query-side buffers need cp.async");
+    }
+  } else {
+    run_backward<Elem, D, V, 1, BwdTileSize::kCompact>(bp);
+  }
+  write_tensor(dir + "/dq", dq);
+  write_tensor(dir + "/dk", dk);
+  write_tensor(dir + "/dv", dv);
+}
+
+// The launchers' variant rule (csrc/cuda/api/dispatch.cuh, variant_of).
+template <class Elem>
+void run_variant(const std::map<std::string, double>& c, const std::string& dir) {
+  const bool general = c.at("mask") != 0 || !(c.at("scale") > 0.0) || c.at("softcap") > 0.0;
+  const bool dropout = c.at("dropout_p") > 0.0;
+  if (general) {
+    dropout ? run<Elem, Variant::kMaskedDropout>(c, dir) : run<Elem, Variant::kMasked>(c, dir);
+  } else {
+    dropout ? run<Elem, Variant::kDropout>(c, dir) : run<Elem, Variant::kPlain>(c, dir);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s DIR\n", argv[0]);
+    return 2;
+  }
+  const std::string dir = argv[1];
+  const std::map<std::string, double> c = read_case(dir);
+  if (kern::head_dim_bucket(static_cast<int>(c.at("head_dim"))) != kBucket) {
+    unsupported("a head dim of another bucket than this build's");
+  }
+  if (c.at("bf16") != 0) {
+    if constexpr (Atom::kNativeArch >= 800) {
+      run_variant<kern::Bf16>(c, dir);
+    } else {
+      unsupported("bf16 on the Volta atom");
+    }
+  } else {
+    run_variant<kern::Fp16>(c, dir);
+  }
+  return 0;
+}

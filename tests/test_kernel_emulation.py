@@ -1,0 +1,237 @@
+"""The attention kernels of both atoms run whole on the CPU (no GPU needed):
+tests/atoms/kernel_emulation.cpp launches flash_fwd_kernel (prefill or decode tile) and the backward
+kernels (D pre-pass, dK/dV, dQ by the atomic workspace or the deterministic kernel; one or two
+query-side buffers, the compact or the wide tile) as the CUDA launchers do, with every block's
+threads as fibers and the tensor-core instructions emulated from the PTX fragment maps
+(tests/atoms/cuda_host_emulation.h): the Volta atom as a V100 runs it, the Ampere atom as sm_80+
+GPUs do. Every output element is compared with an fp64 reference written from the definitions
+(common/params.h), fully hidden rows included, in FlashAttention-2's tolerance (twice the error of
+the same math in fp16 / bf16). Dropout's keep mask is the CPU op's (flashv100::_dropout_mask: the
+same Philox stream by construction, common/philox.h)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from attention_testing import assert_fa2_close
+from emulation_testing import build_emulation
+
+ATOMS = ["VoltaAtom", "AmpereAtom"]
+
+
+@pytest.fixture(scope="module")
+def emulators(tmp_path_factory):
+    """(atom, head-dim bucket) -> the emulation binary, built on first use."""
+    root = tmp_path_factory.mktemp("emulation")
+    built = {}
+
+    def get(atom, bucket):
+        if (atom, bucket) not in built:
+            built[atom, bucket] = build_emulation(
+                "kernel_emulation.cpp", root / f"{atom}_{bucket}",
+                (f"EMULATED_ATOM={atom}", f"EMULATED_HEAD_DIM={bucket}"))
+        return built[atom, bucket]
+
+    return get
+
+
+def visible_keys(len_q, len_kv, causal, window):
+    """Bool [Lq, Lkv] from common/params.h: shift 0 (top-left causal) or len_kv - len_q; causal:
+    j <= i + shift; window right: j <= i + shift + right; window left: j >= i + shift - left."""
+    left, right = window
+    shift = 0 if causal == 1 else len_kv - len_q
+    rows = torch.arange(len_q)[:, None]
+    cols = torch.arange(len_kv)[None, :]
+    keep = torch.ones(len_q, len_kv, dtype=torch.bool)
+    if causal:
+        keep &= cols <= rows + shift
+    if right >= 0:
+        keep &= cols <= rows + shift + right
+    if left >= 0:
+        keep &= cols >= rows + shift - left
+    return keep
+
+
+def reference(q, k, v, dout, case, mask, keep, dtype):
+    """out, lse and (q, k, v) gradients computed in `dtype` (softcap, then the mask's bias; P
+    dropped where `keep` is False and scaled by 1 / (1 - p) elsewhere)."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * case["scale"]
+    if case["softcap"] > 0:
+        scores = case["softcap"] * torch.tanh(scores / case["softcap"])
+    if mask is not None:
+        scores = scores + mask.to(dtype)
+    visible = visible_keys(q.shape[2], k.shape[2], case["causal"], case["window"])
+    scores = scores.masked_fill(~visible, -math.inf)
+    row_max = scores.amax(-1, keepdim=True).detach()
+    hidden = torch.isneginf(row_max)
+    exp = torch.exp(scores - row_max.masked_fill(hidden, 0.0))
+    total = exp.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+    probs = (exp / total).masked_fill(hidden, 0.0)
+    lse = (row_max + torch.log(total)).masked_fill(hidden, -math.inf).squeeze(-1)
+    if keep is not None:
+        probs = probs * keep / (1.0 - case["dropout_p"])
+    out = probs @ v.repeat_interleave(group, 1)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def bucket_of(head_dim):
+    return 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q=40, len_kv=56,
+             head_dim=64, bf16=False, causal=0, window=(-1, -1), softcap=0.0, mask=None,
+             dropout_p=0.0, decode_tile=False, backward=True, deterministic=False, bwd_stages=1,
+             bwd_wide=False, scale=None, seed=0):
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads_q, len_q, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, heads_kv, len_kv, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, heads_kv, len_kv, head_dim, generator=g).to(dtype)
+    dout = torch.randn(batch, heads_q, len_q, head_dim, generator=g).to(dtype)
+    case = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, len_q=len_q, len_kv=len_kv,
+                head_dim=head_dim, bf16=int(bf16), scale=head_dim ** -0.5 if scale is None else scale,
+                causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
+                mask=int(mask is not None), dropout_p=dropout_p, seed=1234 + seed, offset=64,
+                decode_tile=int(decode_tile), backward=int(backward),
+                deterministic=int(deterministic), bwd_stages=bwd_stages, bwd_wide=int(bwd_wide))
+    (tmp_path / "case.txt").write_text("".join(f"{k} {v!r}\n" for k, v in case.items()))
+    tensors = dict(q=q, k=k, v=v, dout=dout)
+    for name, t in tensors.items():
+        t.contiguous().view(torch.int16).numpy().tofile(tmp_path / name)
+    if mask is not None:
+        mask.float().contiguous().numpy().tofile(tmp_path / "mask")
+    binary = emulators(atom, bucket_of(head_dim))
+    run = subprocess.run([str(binary), str(tmp_path)], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    def result(name, like):
+        raw = torch.from_numpy(np.fromfile(tmp_path / name, dtype=np.int16))
+        return raw.view(dtype).reshape(like.shape)
+
+    case.update(window=window)
+    keep = None
+    if dropout_p > 0:
+        import torch_flash_v100  # noqa: F401  (registers the ops)
+        keep = torch.ops.flashv100._dropout_mask(torch.tensor([case["seed"], case["offset"]]),
+                                                 batch, heads_q, len_q, len_kv, dropout_p)
+    ref = reference(q, k, v, dout, case, mask, keep, torch.float64)
+    low = reference(q, k, v, dout, case, mask, keep, dtype)
+    out = result("out", q)
+    lse = torch.from_numpy(np.fromfile(tmp_path / "lse", dtype=np.float32)).reshape(q.shape[:3])
+    assert_fa2_close(out, ref[0], low[0], "out")
+    # lse: -inf exactly where a row sees no key, else within fp32 rounding of the fp64 value.
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    finite = torch.isfinite(ref[1])
+    assert torch.allclose(lse[finite].double(), ref[1][finite], rtol=1e-5, atol=1e-4)
+    if backward:
+        for name, like, r, l in zip(("dq", "dk", "dv"), (q, k, v), ref[2:], low[2:]):
+            assert_fa2_close(result(name, like), r, l, name)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 40, 64, 96, 128, 256])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_every_head_dim(emulators, tmp_path, atom, head_dim):
+    run_case(emulators, tmp_path, atom=atom, head_dim=head_dim,
+             len_q=37 if head_dim == 256 else 70, len_kv=45 if head_dim == 256 else 90)
+
+
+@pytest.mark.parametrize("causal", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_causal_both_alignments(emulators, tmp_path, atom, causal, head_dim):
+    # len_q > len_kv: bottom-right alignment hides every key from the first rows.
+    run_case(emulators, tmp_path, atom=atom, head_dim=head_dim, causal=causal, len_q=100,
+             len_kv=67, heads_q=4, heads_kv=2, batch=2)
+
+
+@pytest.mark.parametrize("atom", ATOMS)
+def test_window_and_softcap(emulators, tmp_path, atom):
+    run_case(emulators, tmp_path, atom=atom, head_dim=64, window=(20, 5), softcap=4.0, len_q=90,
+             len_kv=130)
+
+
+def left_padding_mask(batch, heads, length, pad, seed=1):
+    """Additive [B, H, L, L]: random bias, the first pad[b] keys of sequence b dropped and its
+    first pad[b] rows seeing no key at all (left padding)."""
+    mask = torch.randn(batch, heads, length, length, generator=torch.Generator().manual_seed(seed))
+    for b, n in enumerate(pad):
+        mask[b, :, :, :n] = -math.inf
+        mask[b, :, :n, :] = -math.inf
+    return mask
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_left_padding_mask_with_hidden_rows(emulators, tmp_path, atom, deterministic, head_dim):
+    run_case(emulators, tmp_path, atom=atom, batch=2, heads_q=2, heads_kv=2, len_q=50, len_kv=50,
+             head_dim=head_dim, causal=1, mask=left_padding_mask(2, 2, 50, [0, 13]),
+             deterministic=deterministic)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_dropout_with_and_without_mask(emulators, tmp_path, atom, head_dim):
+    mask = torch.randn(1, 2, 60, 75, generator=torch.Generator().manual_seed(2))
+    mask[..., 70:] = -math.inf
+    run_case(emulators, tmp_path, atom=atom, head_dim=head_dim, len_q=60, len_kv=75,
+             dropout_p=0.2, causal=2)
+    run_case(emulators, tmp_path, atom=atom, head_dim=head_dim, len_q=60, len_kv=75,
+             dropout_p=0.2, mask=mask, deterministic=True)
+
+
+@pytest.mark.parametrize("atom", ATOMS)
+def test_gqa_deterministic_dq(emulators, tmp_path, atom):
+    run_case(emulators, tmp_path, atom=atom, heads_q=4, heads_kv=1, len_q=80, len_kv=80,
+             head_dim=96, causal=2, deterministic=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16(emulators, tmp_path, head_dim):
+    run_case(emulators, tmp_path, atom="AmpereAtom", head_dim=head_dim, bf16=True, causal=2,
+             mask=left_padding_mask(1, 2, 60, [9]), len_q=60, len_kv=60, heads_kv=2)
+
+
+# The backward configurations sm_80 / sm_90 pick by their shared memory (backward_launch.cuh):
+# two query-side buffers, and the wide tiles where the variant has one.
+@pytest.mark.parametrize("head_dim, variant, wide", [
+    (32, "plain", False), (64, "mask", False), (128, "dropout", False), (256, "plain", False),
+    (64, "plain", True), (128, "plain", True), (128, "dropout", True)])
+def test_backward_configurations(emulators, tmp_path, head_dim, variant, wide):
+    mask = left_padding_mask(1, 2, 150, [21]) if variant == "mask" else None
+    length = 70 if head_dim == 256 else 150
+    run_case(emulators, tmp_path, atom="AmpereAtom", head_dim=head_dim, len_q=length,
+             len_kv=length, heads_kv=2, causal=1, mask=mask,
+             dropout_p=0.15 if variant == "dropout" else 0.0, bwd_stages=2, bwd_wide=wide)
+
+
+@pytest.mark.parametrize("len_q, causal, heads_q, heads_kv", [
+    (1, 0, 4, 1), (5, 2, 2, 2), (32, 2, 4, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_decode_tile(emulators, tmp_path, atom, head_dim, len_q, causal, heads_q, heads_kv):
+    run_case(emulators, tmp_path, atom=atom, head_dim=head_dim, decode_tile=True, len_q=len_q,
+             len_kv=150, causal=causal, heads_q=heads_q, heads_kv=heads_kv, backward=False)
+
+
+def test_a_broken_kernel_fails(emulators, tmp_path, monkeypatch):
+    """The comparison can fail: the same case with the wrong scale given to the kernel only."""
+    import test_kernel_emulation as this
+
+    real = this.reference
+
+    def shifted(q, k, v, dout, case, mask, keep, dtype):
+        return real(q, k, v, dout, dict(case, scale=case["scale"] * 1.25), mask, keep, dtype)
+
+    monkeypatch.setattr(this, "reference", shifted)
+    with pytest.raises(AssertionError):
+        run_case(emulators, tmp_path, atom="VoltaAtom", head_dim=64, backward=False)
