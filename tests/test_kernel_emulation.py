@@ -170,7 +170,7 @@ def left_padding_mask(batch, heads, length, pad, seed=1):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("atom", ATOMS)
 def test_left_padding_mask_with_hidden_rows(emulators, tmp_path, atom, deterministic, head_dim):
     run_case(emulators, tmp_path, atom=atom, batch=2, heads_q=2, heads_kv=2, len_q=50, len_kv=50,

@@ -227,10 +227,23 @@ constexpr __host__ __device__ bool has_wide_bwd_tile() {
 }
 template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize::kCompact>
 struct BwdTile;
+// Whether a variant takes its atom's smaller tile (kSmall): those other than plain, where the
+// plain tile would spill registers; on Volta at head dim 64 the masked variant fits the plain
+// tile too (229 registers, sm_70) and only the dropout variants take the smaller one.
+template <class Atom, int kHeadDim, Variant kVariant>
+constexpr __host__ __device__ bool takes_small_bwd_tile() {
+  return Atom::kNativeArch < 800 && kHeadDim == 64 ? has_dropout(kVariant)
+                                                   : kVariant != Variant::kPlain;
+}
 // Volta: 16-row warp tiles (registers), smaller where the variants other than plain would spill.
+// Head dim 64: 64 x 128 over 8 warps (16 x 64 S / dP and 32 x 32 dK / dV warp tiles), 88.5 KB;
+// against 64 x 64 over 4 warps it holds 8 warps per SM instead of 4 (one block: shared memory)
+// and loads fewer fragments per MMA: sm_70 shared-memory ceiling of the plain dK/dV step 74-76%
+// -> 78-79%, issue ceiling 85-100% -> 93-100%; the masked variant's (64 x 64 over 8 warps before)
+// 61-63% -> 78-79% (scripts/sass_loops.py).
 template <> struct BwdTile<VoltaAtom, 32, false> : BwdTileShape<64, 64, 8, 4, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
-template <> struct BwdTile<VoltaAtom, 64, false> : BwdTileShape<64, 64, 4, 4, 1, 1, 1, 64> {};
+template <> struct BwdTile<VoltaAtom, 64, false> : BwdTileShape<64, 128, 8, 8, 2, 2, 2, 64> {};
 template <> struct BwdTile<VoltaAtom, 64, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 64> {};
 template <bool G> struct BwdTile<VoltaAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 128> {};
 template <bool G> struct BwdTile<VoltaAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
@@ -261,8 +274,9 @@ constexpr int kBwdLargestSmemBytes = 227 * 1024;
 
 template <class Atom, int kHeadDim_, Variant kVariant, int kQStages_ = 1,
           BwdTileSize kSize_ = BwdTileSize::kCompact>
-struct BwdConfig : BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain, kSize_> {
-  using T = BwdTile<Atom, kHeadDim_, kVariant != Variant::kPlain, kSize_>;
+struct BwdConfig : BwdTile<Atom, kHeadDim_, takes_small_bwd_tile<Atom, kHeadDim_, kVariant>(),
+                           kSize_> {
+  using T = BwdTile<Atom, kHeadDim_, takes_small_bwd_tile<Atom, kHeadDim_, kVariant>(), kSize_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kQStages = kQStages_;
   static constexpr BwdTileSize kSize = kSize_;
