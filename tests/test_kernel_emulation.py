@@ -235,3 +235,121 @@ def test_a_broken_kernel_fails(emulators, tmp_path, monkeypatch):
     monkeypatch.setattr(this, "reference", shifted)
     with pytest.raises(AssertionError):
         run_case(emulators, tmp_path, atom="VoltaAtom", head_dim=64, backward=False)
+
+
+def run_kvcache_case(emulators, tmp_path, *, atom, batch=3, heads_q=4, heads_kv=2, len_q=1,
+                     head_dim=64, cache_rows=96, seqlens=(0, 37, 90), seqlen_new=1,
+                     page_size=0, leftpad=None, batch_idx=None, causal=True, window=(-1, -1),
+                     softcap=0.0, rotary_dim=0, rotary_interleaved=True, num_splits=1,
+                     decode_tile=True, append_in_kernel=False, pack_gqa=False, seed=0):
+    """flash_attn_with_kvcache's kernels (the append, the forward over a contiguous or paged
+    cache, the split-KV combine) against kvcache_reference: out, lse and both caches after the
+    append, every row."""
+    from torch_flash_v100.reference import kvcache_reference
+
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    q = rnd(batch, len_q, heads_q, head_dim)
+    k_new, v_new = rnd(batch, seqlen_new, heads_kv, head_dim), rnd(batch, seqlen_new, heads_kv, head_dim)
+    block_table = None
+    if page_size:
+        max_blocks = -(-cache_rows // page_size)
+        pages = batch * max_blocks + 2
+        perm = torch.randperm(pages, generator=g)[: batch * max_blocks]
+        block_table = perm.reshape(batch, max_blocks).to(torch.int32)
+        cache_shape = (pages, page_size, heads_kv, head_dim)
+    else:
+        cache_shape = (batch + 1 if batch_idx is not None else batch, cache_rows, heads_kv, head_dim)
+    k_cache, v_cache = rnd(*cache_shape), rnd(*cache_shape)
+    seqlens_t = torch.tensor(seqlens, dtype=torch.int32)
+    cos = sin = None
+    seqlen_ro = cache_rows + len_q
+    if rotary_dim:
+        angle = torch.rand(seqlen_ro, rotary_dim // 2, generator=g) * 6.0
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    # FlashAttention-2's rules (set_flash_score_rules): causal is a right window of 0, aligned
+    # bottom-right.
+    right = 0 if causal else window[1]
+    case = dict(kvcache=1, batch=batch, heads_q=heads_q, heads_kv=heads_kv, len_q=len_q,
+                len_kv=0, head_dim=head_dim, bf16=0, scale=head_dim ** -0.5,
+                causal=2 if right == 0 else 0, window_left=window[0], window_right=right,
+                softcap=softcap, mask=0, dropout_p=0.0, seed=0, offset=0,
+                decode_tile=int(decode_tile), backward=0, deterministic=0, bwd_stages=1,
+                bwd_wide=0, cache_batch=cache_shape[0], cache_rows=cache_shape[1],
+                paged=int(bool(page_size)), max_blocks=0 if block_table is None else block_table.shape[1],
+                seqlen_new=seqlen_new, leftpad=int(leftpad is not None),
+                batch_idx=int(batch_idx is not None), rotary_dim=rotary_dim,
+                rotary_interleaved=int(rotary_interleaved), seqlen_ro=seqlen_ro,
+                num_splits=num_splits, append_in_kernel=int(append_in_kernel),
+                pack_gqa=int(pack_gqa))
+    (tmp_path / "case.txt").write_text("".join(f"{k} {v!r}\n" for k, v in case.items()))
+    files = dict(q=q.transpose(1, 2), k=k_cache, v=v_cache, k_new=k_new, v_new=v_new)
+    if rotary_dim:
+        files.update(cos=cos, sin=sin)
+    for name, t in files.items():
+        t.contiguous().view(torch.int16).numpy().tofile(tmp_path / name)
+    index = dict(seqlens=seqlens_t, leftpad=leftpad, batch_idx=batch_idx, block_table=block_table)
+    for name, t in index.items():
+        if t is not None:
+            torch.as_tensor(t, dtype=torch.int32).contiguous().numpy().tofile(tmp_path / name)
+    binary = emulators(atom, bucket_of(head_dim))
+    run = subprocess.run([str(binary), str(tmp_path)], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    def result(name, like):
+        return torch.from_numpy(np.fromfile(tmp_path / name, dtype=np.int16)).view(dtype).reshape(like.shape)
+
+    kwargs = dict(cache_seqlens=seqlens_t, rotary_cos=cos, rotary_sin=sin,
+                  cache_batch_idx=None if batch_idx is None else torch.tensor(batch_idx),
+                  cache_leftpad=None if leftpad is None else torch.tensor(leftpad),
+                  block_table=block_table, causal=causal, window_size=window, softcap=softcap,
+                  rotary_interleaved=rotary_interleaved)
+    ref = kvcache_reference(q, k_cache, v_cache, k_new, v_new, **kwargs)
+    low = kvcache_reference(q, k_cache, v_cache, k_new, v_new, compute_dtype=torch.float32, **kwargs)
+    out = result("out", q.transpose(1, 2)).transpose(1, 2)
+    assert_fa2_close(out, ref[0], low[0].to(dtype), "out")
+    lse = torch.from_numpy(np.fromfile(tmp_path / "lse", dtype=np.float32)).reshape(ref[1].shape)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    finite = torch.isfinite(ref[1])
+    assert torch.allclose(lse[finite].double(), ref[1][finite], rtol=1e-5, atol=1e-3)
+    # The caches: appended rows as the reference stores them (rotated keys within one fp16
+    # rounding of it: fp32 against fp64 rotation), every other row untouched.
+    for name, expected in (("k_cache", ref[2]), ("v_cache", ref[3])):
+        got = result(name, expected)
+        assert torch.allclose(got.float(), expected.float(), rtol=2e-3, atol=2e-3), name
+        untouched = expected == (k_cache if name == "k_cache" else v_cache)
+        assert torch.equal(got[untouched], expected[untouched]), name
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_kvcache_decode_gqa_packed_append_in_kernel(emulators, tmp_path, atom, head_dim,
+                                                     num_splits):
+    run_kvcache_case(emulators, tmp_path, atom=atom, head_dim=head_dim, pack_gqa=True,
+                     append_in_kernel=True, num_splits=num_splits, seqlens=(0, 37, 95))
+
+
+@pytest.mark.parametrize("page_size", [16, 48])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_kvcache_paged_speculative_rows(emulators, tmp_path, atom, page_size):
+    run_kvcache_case(emulators, tmp_path, atom=atom, page_size=page_size, len_q=3, seqlen_new=3,
+                     seqlens=(5, 60, 93), leftpad=[0, 7, 40], num_splits=2)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_kvcache_rotary_prefill_chunk(emulators, tmp_path, atom, interleaved):
+    # 40 query rows: the prefill tile; the append kernel rotates q and the new keys.
+    run_kvcache_case(emulators, tmp_path, atom=atom, head_dim=128, len_q=40, seqlen_new=40,
+                     cache_rows=128, seqlens=(0, 50, 88), rotary_dim=64,
+                     rotary_interleaved=interleaved, decode_tile=False, num_splits=2)
+
+
+@pytest.mark.parametrize("atom", ATOMS)
+def test_kvcache_batch_idx_window_softcap(emulators, tmp_path, atom):
+    run_kvcache_case(emulators, tmp_path, atom=atom, heads_q=2, heads_kv=2, len_q=4,
+                     seqlen_new=2, batch_idx=[2, 0, 3], causal=False, window=(30, 3),
+                     softcap=5.0, seqlens=(10, 70, 94))

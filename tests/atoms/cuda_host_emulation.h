@@ -1,7 +1,7 @@
 // The device kernels (csrc/cuda/kernels) as host code, for tests on a machine without a GPU: a
 // block's threads are fibers (ucontext) run one at a time, each until it reaches a warp or block
 // barrier or exits, so every block runs deterministically on one host thread. Blocks of a grid run
-// one after another, sharing one shared-memory buffer (`smem_raw`).
+// one after another, sharing one copy of each shared-memory array.
 //
 // What it emulates: threadIdx / blockIdx / blockDim / gridDim, __syncthreads (live threads),
 // __syncwarp, __shfl_xor_sync, __any_sync, the tensor-core instructions of both atoms from the
@@ -29,6 +29,9 @@
 #define __device__
 #define __host__
 #define __global__
+// Shared memory: blocks run one after another, so one copy of each array serves every block: the
+// kernels' `static __shared__` arrays become function statics, and the dynamic `extern __shared__`
+// one the program defines.
 #define __shared__
 #define __forceinline__ inline
 #define __launch_bounds__(...)

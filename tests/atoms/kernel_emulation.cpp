@@ -16,7 +16,24 @@
 // the launchers never run (e.g. two query buffers on the Volta atom). Shared memory is filled
 // with NaN before each block, so that a read of anything a block did not write shows up in its
 // results.
+//
+// "kvcache 1" runs flash_attn_with_kvcache's kernels instead (launch_kvcache.cu): k / v are the
+// caches, [cache_batch, cache_rows, Hkv, d] (paged: cache_batch pages of cache_rows rows, with
+// block_table int32 [B, max_blocks]), seqlens int32 [B] and optionally leftpad / batch_idx int32
+// [B]; with seqlen_new > 0 the new rows k_new / v_new [B, seqlen_new, Hkv, d] are appended by the
+// append kernel (rotary_dim > 0: it also rotates them and q by cos / sin [seqlen_ro, rotary_dim /
+// 2]) or by the decode tile itself ("append_in_kernel 1"); num_splits > 1 runs split-KV and the
+// combine kernel; "pack_gqa 1" lays a one-row query's heads of a KV head out as rows, as
+// make_kvcache_forward_params does. Writes out, lse and the caches after the append (k_cache,
+// v_cache).
 #include "cuda_host_emulation.h"
+
+// The kernels' `extern __shared__ uint4 smem_raw[]` (one block runs at a time).
+namespace flashv100 {
+namespace kern {
+uint4 smem_raw[227 * 1024 / sizeof(uint4)];
+}  // namespace kern
+}  // namespace flashv100
 
 #include <fstream>
 #include <map>
@@ -27,13 +44,10 @@
 
 #include "cuda/kernels/flash_bwd.cuh"
 #include "cuda/kernels/flash_fwd.cuh"
+#include "cuda/kernels/kvcache.cuh"
 
-namespace flashv100 {
-namespace kern {
-// The kernels' `extern __shared__ uint4 smem_raw[]`: one block runs at a time.
-uint4 smem_raw[kBwdLargestSmemBytes / sizeof(uint4)];
-}  // namespace kern
-}  // namespace flashv100
+static_assert(sizeof(flashv100::kern::smem_raw) >= flashv100::kern::kBwdLargestSmemBytes,
+              "the emulated shared memory holds every tile");
 
 namespace {
 
@@ -221,12 +235,167 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   write_tensor(dir + "/dv", dv);
 }
 
+// The forward of flash_attn_with_kvcache (launch_kvcache.cu's run_kvcache_forward, with the split
+// count given): append, forward (paged or not, either tile), combine.
+template <class Elem, Variant V>
+void run_kvcache(const std::map<std::string, double>& c, const std::string& dir) {
+  constexpr int D = kBucket;
+  const int64_t B = c.at("batch"), Hq = c.at("heads_q"), Hkv = c.at("heads_kv");
+  const int64_t Lq = c.at("len_q"), d = c.at("head_dim");
+  const int64_t cache_batch = c.at("cache_batch"), cache_rows = c.at("cache_rows");
+  const int64_t seqlen_new = c.at("seqlen_new"), rotary_dim = c.at("rotary_dim");
+  const bool paged = c.at("paged") != 0;
+  const int64_t max_blocks = paged ? static_cast<int64_t>(c.at("max_blocks")) : 1;
+  std::vector<uint16_t> q = read_tensor<uint16_t>(dir + "/q", B * Hq * Lq * d);
+  std::vector<uint16_t> k = read_tensor<uint16_t>(dir + "/k", cache_batch * cache_rows * Hkv * d);
+  std::vector<uint16_t> v = read_tensor<uint16_t>(dir + "/v", cache_batch * cache_rows * Hkv * d);
+  std::vector<int32_t> seqlens = read_tensor<int32_t>(dir + "/seqlens", B), leftpad, batch_idx,
+                       block_table;
+  std::vector<uint16_t> k_new, v_new, cos, sin, q_rotated;
+  std::vector<uint16_t> out(B * Hq * Lq * d, 0x7e00);
+  std::vector<float> lse(B * Hq * Lq, NAN);
+
+  KVCacheParams cache;
+  cache.seqlens = seqlens.data();
+  if (c.at("leftpad") != 0) {
+    leftpad = read_tensor<int32_t>(dir + "/leftpad", B);
+    cache.leftpad = leftpad.data();
+  }
+  if (c.at("batch_idx") != 0) {
+    batch_idx = read_tensor<int32_t>(dir + "/batch_idx", B);
+    cache.batch_idx = batch_idx.data();
+  }
+  if (paged) {
+    block_table = read_tensor<int32_t>(dir + "/block_table", B * max_blocks);
+    cache.block_table = block_table.data();
+    cache.block_table_stride = max_blocks;
+    cache.page_size = cache_rows;
+  }
+  cache.seqlen_new = seqlen_new;
+  const TensorStrides cache_strides{cache_rows * Hkv * d, d, Hkv * d};  // [batch, rows, heads, d]
+  const TensorStrides new_strides{seqlen_new * Hkv * d, d, Hkv * d};
+
+  KVAppendParams a;
+  a.cache = cache;
+  a.batch = B, a.heads_q = Hq, a.heads_kv = Hkv, a.len_q = Lq, a.head_dim = d, a.head_dim_v = d;
+  a.k_cache = k.data();
+  a.v_cache = v.data();
+  a.k_cache_strides = a.v_cache_strides = cache_strides;
+  a.q = q.data();
+  a.q_strides = bhld_strides(Hq, Lq, d);
+  if (seqlen_new > 0) {
+    k_new = read_tensor<uint16_t>(dir + "/k_new", B * seqlen_new * Hkv * d);
+    v_new = read_tensor<uint16_t>(dir + "/v_new", B * seqlen_new * Hkv * d);
+    a.k_new = k_new.data();
+    a.v_new = v_new.data();
+    a.k_new_strides = a.v_new_strides = new_strides;
+  }
+  if (rotary_dim > 0) {
+    const int64_t seqlen_ro = c.at("seqlen_ro");
+    cos = read_tensor<uint16_t>(dir + "/cos", seqlen_ro * rotary_dim / 2);
+    sin = read_tensor<uint16_t>(dir + "/sin", seqlen_ro * rotary_dim / 2);
+    q_rotated.assign(q.size(), 0x7e00);
+    a.q_rotated = q_rotated.data();
+    a.q_rotated_strides = a.q_strides;
+    a.rotary_cos = cos.data();
+    a.rotary_sin = sin.data();
+    a.rotary_dim = rotary_dim;
+    a.rotary_interleaved = c.at("rotary_interleaved") != 0;
+    a.q_positions_advance = c.at("causal") != 0 || c.at("window_left") >= 0 ||
+                            c.at("window_right") >= 0;
+  }
+
+  ForwardParams p;
+  p.shape = AttentionShape{B, Hq, Hkv, Lq, cache_rows * max_blocks, d, d};
+  p.q = rotary_dim > 0 ? q_rotated.data() : q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.out = out.data();
+  p.lse = lse.data();
+  p.lse_layout = LseLayout{Hq * Lq, Lq};
+  p.q_strides = p.out_strides = bhld_strides(Hq, Lq, d);
+  p.k_strides = p.v_strides = cache_strides;
+  p.scale = c.at("scale");
+  p.causal = static_cast<CausalMode>(static_cast<int>(c.at("causal")));
+  p.window = WindowParams{static_cast<int32_t>(c.at("window_left")),
+                          static_cast<int32_t>(c.at("window_right"))};
+  p.score_mod.softcap = static_cast<float>(c.at("softcap"));
+  p.kvcache = cache;
+  if (c.at("pack_gqa") != 0) {  // make_kvcache_forward_params: query head h * g + r as row r
+    const int64_t group = Hq / Hkv;
+    if (Lq != 1 || group == 1 || p.window.left >= 0) unsupported("pack_gqa needs one query row");
+    p.shape.heads_q = Hkv;
+    p.shape.len_q = group;
+    p.q_strides = p.out_strides = TensorStrides{Hq * d, group * d, d};
+    p.lse_layout = LseLayout{Hq, group};
+    p.window.right = -1;
+    p.causal = CausalMode::kNone;
+  }
+
+  const bool decode_tile = c.at("decode_tile") != 0;
+  if (c.at("append_in_kernel") != 0) {
+    if (!decode_tile || seqlen_new == 0 || rotary_dim > 0 || p.shape.heads_q != Hkv)
+      unsupported("the forward appends only in the decode tile, without rotary, per KV head");
+    p.append = KVNewRows{a.k_new, a.v_new, a.k_new_strides, a.v_new_strides, a.k_cache,
+                         a.v_cache};
+  } else {
+    const int64_t total = (rotary_dim > 0 ? B * Lq * Hq * d : 0) + 2 * B * seqlen_new * Hkv * d;
+    if (total > 0)
+      launch(dim3{grid(ceil_div(total, kern::kAppendThreads)), 1, 1}, kern::kAppendThreads,
+             kern::kvcache_append_kernel<Elem>, a);
+  }
+  const int64_t rows = p.shape.batch * p.shape.heads_q * p.shape.len_q;
+  p.split.num_splits = static_cast<int32_t>(c.at("num_splits"));
+  std::vector<float> out_accum, lse_accum;
+  if (p.split.num_splits > 1) {
+    out_accum.assign(p.split.num_splits * rows * d, NAN);
+    lse_accum.assign(p.split.num_splits * rows, NAN);
+    p.split.out_accum = out_accum.data();
+    p.split.lse_accum = lse_accum.data();
+  }
+  const auto forward = [&](auto shape, auto paged_tag) {
+    constexpr kern::FwdShape kShape = decltype(shape)::value;
+    constexpr bool kPaged = decltype(paged_tag)::value;
+    using Cfg = kern::FwdConfig<Atom, D, V, kShape, kPaged>;
+    launch(dim3{grid(ceil_div(p.shape.len_q, Cfg::kBlockM)), grid(p.shape.batch * p.shape.heads_q),
+                grid(p.split.num_splits)},
+           Cfg::kThreads, kern::flash_fwd_kernel<Atom, Elem, D, V, kPaged, kShape>, p);
+  };
+  const auto with_paging = [&](auto shape) {
+    if (paged) {
+      forward(shape, std::true_type{});
+    } else {
+      forward(shape, std::false_type{});
+    }
+  };
+  if (decode_tile) {
+    if constexpr (kern::has_decode_tile<Atom>(D)) {
+      if (p.shape.len_q > kern::kDecodeRows) unsupported("the decode tile takes at most 32 rows");
+      with_paging(std::integral_constant<kern::FwdShape, kern::FwdShape::kDecode>{});
+    } else {
+      unsupported("no decode tile for this atom and head dim");
+    }
+  } else {
+    with_paging(std::integral_constant<kern::FwdShape, kern::FwdShape::kPrefill>{});
+  }
+  if (p.split.num_splits > 1)
+    launch(dim3{grid(ceil_div(rows, kern::kCombineWarps)), 1, 1}, kern::kCombineWarps * 32,
+           kern::split_kv_combine_kernel<Elem>, p);
+  write_tensor(dir + "/out", out);
+  write_tensor(dir + "/lse", lse);
+  write_tensor(dir + "/k_cache", k);
+  write_tensor(dir + "/v_cache", v);
+}
+
 // The launchers' variant rule (csrc/cuda/api/dispatch.cuh, variant_of).
 template <class Elem>
 void run_variant(const std::map<std::string, double>& c, const std::string& dir) {
   const bool general = c.at("mask") != 0 || !(c.at("scale") > 0.0) || c.at("softcap") > 0.0;
   const bool dropout = c.at("dropout_p") > 0.0;
-  if (general) {
+  if (c.count("kvcache") != 0 && c.at("kvcache") != 0) {
+    if (dropout || c.at("mask") != 0) unsupported("KV caches take neither attn_mask nor dropout");
+    general ? run_kvcache<Elem, Variant::kMasked>(c, dir) : run_kvcache<Elem, Variant::kPlain>(c, dir);
+  } else if (general) {
     dropout ? run<Elem, Variant::kMaskedDropout>(c, dir) : run<Elem, Variant::kMasked>(c, dir);
   } else {
     dropout ? run<Elem, Variant::kDropout>(c, dir) : run<Elem, Variant::kPlain>(c, dir);

@@ -111,7 +111,7 @@ __device__ __forceinline__ void append_new_rows(const ForwardParams& p, const Se
 // have lse_s = -inf and weigh nothing). Rows no split saw: out 0, lse -inf.
 template <class Elem>
 __global__ void __launch_bounds__(kCombineWarps * 32) split_kv_combine_kernel(const ForwardParams p) {
-  __shared__ float weights[kCombineWarps][kMaxSplits];
+  static __shared__ float weights[kCombineWarps][kMaxSplits];
   wait_for_primary_grid();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const AttentionShape& shape = p.shape;

@@ -14,7 +14,7 @@ constexpr int kMaskKeyRangeThreads = 256;
 __global__ void __launch_bounds__(kMaskKeyRangeThreads)
     flash_mask_key_range_kernel(const ForwardParams p, int32_t* key_range) {
   constexpr int kWarps = kMaskKeyRangeThreads / 32;
-  __shared__ int warp_last_kept[kWarps], warp_first_other[kWarps];
+  static __shared__ int warp_last_kept[kWarps], warp_first_other[kWarps];
   const int64_t b = blockIdx.x / p.shape.heads_q, h = blockIdx.x % p.shape.heads_q;
   MaskParams facts_free = p.mask;
   facts_free.key_range = nullptr;  // read every entry
