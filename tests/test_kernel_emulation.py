@@ -178,7 +178,7 @@ def test_left_padding_mask_with_hidden_rows(emulators, tmp_path, atom, determini
              deterministic=deterministic)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("atom", ATOMS)
 def test_dropout_with_and_without_mask(emulators, tmp_path, atom, head_dim):
     mask = torch.randn(1, 2, 60, 75, generator=torch.Generator().manual_seed(2))

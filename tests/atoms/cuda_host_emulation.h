@@ -260,6 +260,16 @@ inline T value_of_bits(uint64_t u) {
   return v;
 }
 
+// An mma's operand fragments of every lane, in the warp's exchange, once all lanes posted theirs.
+template <int kARegs, int kBRegs>
+Warp& share_fragments(const uint32_t (&a)[kARegs], const uint32_t (&b)[kBRegs]) {
+  Warp& w = warp();
+  std::memcpy(w.mma_a[lane()], a, sizeof(a));
+  std::memcpy(w.mma_b[lane()], b, sizeof(b));
+  warp_barrier();
+  return w;
+}
+
 }  // namespace cuda_emulation
 
 #define threadIdx (dim3{static_cast<unsigned>(::cuda_emulation::self().tid), 0, 0})
@@ -311,11 +321,8 @@ inline float atomicAdd(float* address, float value) {
 // mma.m8n8k4"; CUTLASS's SM70_8x4_Row / SM70_8x4_Col / SM70_8x8_32b).
 template <bool kAKContiguous, bool kBKContiguous>
 void emulated_mma_m8n8k4(float (&c)[8], const uint32_t (&a)[2], const uint32_t (&b)[2]) {
-  cuda_emulation::Warp& w = cuda_emulation::warp();
+  const cuda_emulation::Warp& w = cuda_emulation::share_fragments(a, b);
   const int lane = cuda_emulation::lane();
-  std::memcpy(w.mma_a[lane], a, sizeof(a));
-  std::memcpy(w.mma_b[lane], b, sizeof(b));
-  cuda_emulation::warp_barrier();
   const auto value = [](const uint32_t* regs, int v) {
     return emulated_half_to_float(static_cast<uint16_t>(regs[v >> 1] >> (16 * (v & 1))));
   };
@@ -368,11 +375,8 @@ void emulated_ldmatrix(const uint16_t* row, uint32_t* (&regs)[kCount]) {
 // {0, 1}, column g; C element i sits at row g + 8 (i >> 1), column 2 t + (i & 1).
 template <bool kBf16>
 void emulated_mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  cuda_emulation::Warp& w = cuda_emulation::warp();
+  const cuda_emulation::Warp& w = cuda_emulation::share_fragments(a, b);
   const int lane = cuda_emulation::lane();
-  std::memcpy(w.mma_a[lane], a, sizeof(a));
-  std::memcpy(w.mma_b[lane], b, sizeof(b));
-  cuda_emulation::warp_barrier();
   const auto half = [](uint32_t reg, int e) {
     const uint16_t h = static_cast<uint16_t>(reg >> (16 * e));
     return kBf16 ? emulated_bf16_to_float(h) : emulated_half_to_float(h);

@@ -108,6 +108,32 @@ unsigned grid(int64_t n) { return static_cast<unsigned>(n); }
   std::exit(3);
 }
 
+// A forward over q [B, Hq, Lq, d] and K / V of len_kv rows with k_strides (the case's shape,
+// scale, causal mode, window and softcap), writing out (like q) and lse [B, Hq, Lq].
+ForwardParams forward_params(const std::map<std::string, double>& c, std::vector<uint16_t>& q,
+                             std::vector<uint16_t>& k, std::vector<uint16_t>& v,
+                             std::vector<uint16_t>& out, std::vector<float>& lse, int64_t len_kv,
+                             TensorStrides k_strides) {
+  const int64_t B = c.at("batch"), Hq = c.at("heads_q"), Hkv = c.at("heads_kv");
+  const int64_t Lq = c.at("len_q"), d = c.at("head_dim");
+  ForwardParams p;
+  p.shape = AttentionShape{B, Hq, Hkv, Lq, len_kv, d, d};
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.out = out.data();
+  p.lse = lse.data();
+  p.lse_layout = LseLayout{Hq * Lq, Lq};
+  p.q_strides = p.out_strides = bhld_strides(Hq, Lq, d);
+  p.k_strides = p.v_strides = k_strides;
+  p.scale = c.at("scale");
+  p.causal = static_cast<CausalMode>(static_cast<int>(c.at("causal")));
+  p.window = WindowParams{static_cast<int32_t>(c.at("window_left")),
+                          static_cast<int32_t>(c.at("window_right"))};
+  p.score_mod.softcap = static_cast<float>(c.at("softcap"));
+  return p;
+}
+
 // The backward after a forward: the D pre-pass, dK/dV and dQ in the configuration (query-side
 // buffers, tile size) backward_launch.cuh's `run` would launch.
 template <class Elem, int D, Variant V, int kStages, kern::BwdTileSize kSize>
@@ -149,21 +175,7 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   std::vector<uint16_t> out(B * Hq * Lq * d, 0x7e00);
   std::vector<float> lse(B * Hq * Lq, NAN);
 
-  ForwardParams p;
-  p.shape = AttentionShape{B, Hq, Hkv, Lq, Lkv, d, d};
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  p.out = out.data();
-  p.lse = lse.data();
-  p.lse_layout = LseLayout{Hq * Lq, Lq};
-  p.q_strides = p.out_strides = bhld_strides(Hq, Lq, d);
-  p.k_strides = p.v_strides = bhld_strides(Hkv, Lkv, d);
-  p.scale = c.at("scale");
-  p.causal = static_cast<CausalMode>(static_cast<int>(c.at("causal")));
-  p.window = WindowParams{static_cast<int32_t>(c.at("window_left")),
-                          static_cast<int32_t>(c.at("window_right"))};
-  p.score_mod.softcap = static_cast<float>(c.at("softcap"));
+  ForwardParams p = forward_params(c, q, k, v, out, lse, Lkv, bhld_strides(Hkv, Lkv, d));
   if (c.at("mask") != 0) {
     mask = read_tensor<float>(dir + "/mask", B * Hq * Lq * Lkv);
     p.mask.ptr = mask.data();
@@ -305,21 +317,8 @@ void run_kvcache(const std::map<std::string, double>& c, const std::string& dir)
                             c.at("window_right") >= 0;
   }
 
-  ForwardParams p;
-  p.shape = AttentionShape{B, Hq, Hkv, Lq, cache_rows * max_blocks, d, d};
-  p.q = rotary_dim > 0 ? q_rotated.data() : q.data();
-  p.k = k.data();
-  p.v = v.data();
-  p.out = out.data();
-  p.lse = lse.data();
-  p.lse_layout = LseLayout{Hq * Lq, Lq};
-  p.q_strides = p.out_strides = bhld_strides(Hq, Lq, d);
-  p.k_strides = p.v_strides = cache_strides;
-  p.scale = c.at("scale");
-  p.causal = static_cast<CausalMode>(static_cast<int>(c.at("causal")));
-  p.window = WindowParams{static_cast<int32_t>(c.at("window_left")),
-                          static_cast<int32_t>(c.at("window_right"))};
-  p.score_mod.softcap = static_cast<float>(c.at("softcap"));
+  ForwardParams p = forward_params(c, rotary_dim > 0 ? q_rotated : q, k, v, out, lse,
+                                   cache_rows * max_blocks, cache_strides);
   p.kvcache = cache;
   if (c.at("pack_gqa") != 0) {  // make_kvcache_forward_params: query head h * g + r as row r
     const int64_t group = Hq / Hkv;
