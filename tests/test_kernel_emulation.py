@@ -17,6 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from attention_testing import assert_fa2_close
 from emulation_testing import build_emulation
@@ -221,6 +222,32 @@ def test_backward_configurations(emulators, tmp_path, head_dim, variant, wide):
 def test_decode_tile(emulators, tmp_path, atom, head_dim, len_q, causal, heads_q, heads_kv):
     run_case(emulators, tmp_path, atom=atom, head_dim=head_dim, decode_tile=True, len_q=len_q,
              len_kv=150, causal=causal, heads_q=heads_q, heads_kv=heads_kv, backward=False)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(atom=st.sampled_from(ATOMS), head_dim=st.sampled_from([8, 24, 40, 64, 72, 120, 128, 200]),
+       len_q=st.integers(1, 100), len_kv=st.integers(1, 100), heads_kv=st.integers(1, 2),
+       group=st.sampled_from([1, 3]), causal=st.sampled_from([0, 1, 2]),
+       mask=st.sampled_from([None, "padding", "bias"]), dropout=st.booleans(),
+       deterministic=st.booleans(), data=st.data())
+def test_fuzz_shapes_and_options(emulators, tmp_path_factory, atom, head_dim, len_q, len_kv,
+                                 heads_kv, group, causal, mask, dropout, deterministic, data):
+    """Random shapes and options, in the tile the launchers pick (the decode tile for at most 32
+    query rows without dropout)."""
+    batch, heads_q = 2, heads_kv * group
+    g = torch.Generator().manual_seed(len_q * 1000 + len_kv)
+    bias = None
+    if mask is not None:
+        bias = torch.randn(batch, heads_q, len_q, len_kv, generator=g)
+        if mask == "padding":  # left padding of sequence 1, some of its rows hidden
+            pad = data.draw(st.integers(0, min(len_q, len_kv)), label="pad")
+            bias[1, :, :, :pad] = -math.inf
+            bias[1, :, :pad, :] = -math.inf
+    decode = len_q <= 32 and not dropout and not (atom == "VoltaAtom" and head_dim > 128)
+    run_case(emulators, tmp_path_factory.mktemp("fuzz"), atom=atom, batch=batch,
+             heads_q=heads_q, heads_kv=heads_kv, len_q=len_q, len_kv=len_kv, head_dim=head_dim,
+             causal=causal, mask=bias, dropout_p=0.15 if dropout else 0.0, decode_tile=decode,
+             deterministic=deterministic, seed=len_q + len_kv)
 
 
 def test_a_broken_kernel_fails(emulators, tmp_path, monkeypatch):
