@@ -16,9 +16,9 @@
 #include "common/fixed_width_types.h"
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define FLASHV100_HOST_DEVICE __host__ __device__ __forceinline__
+#define FLASHV100_PHILOX_FN __host__ __device__ __forceinline__
 #else
-#define FLASHV100_HOST_DEVICE inline
+#define FLASHV100_PHILOX_FN inline
 #endif
 
 namespace flashv100 {
@@ -27,7 +27,7 @@ struct Philox4 {
   uint32_t x, y, z, w;
 };
 
-FLASHV100_HOST_DEVICE uint32_t mulhilo32(uint32_t a, uint32_t b, uint32_t* hi) {
+FLASHV100_PHILOX_FN uint32_t mulhilo32(uint32_t a, uint32_t b, uint32_t* hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   // One IMAD.WIDE.U32 either way, but the 64-bit product also makes ptxas add a zero high word
   // to every hi (one wasted integer instruction per multiply).
@@ -40,7 +40,7 @@ FLASHV100_HOST_DEVICE uint32_t mulhilo32(uint32_t a, uint32_t b, uint32_t* hi) {
 #endif
 }
 
-FLASHV100_HOST_DEVICE Philox4 philox4x32_7(Philox4 counter, uint32_t key0, uint32_t key1) {
+FLASHV100_PHILOX_FN Philox4 philox4x32_7(Philox4 counter, uint32_t key0, uint32_t key1) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -60,7 +60,7 @@ FLASHV100_HOST_DEVICE Philox4 philox4x32_7(Philox4 counter, uint32_t key0, uint3
 // Drop threshold on a 16-bit uniform: keep iff bits >= threshold. round(p * 2^16), at most
 // 2^16 - 1 (so that threshold << 16 fits the 32-bit compare of the kernels; p in [0, 1) only
 // reaches 2^16 above 1 - 2^-17, where this keeps with probability 2^-16 instead of 0).
-FLASHV100_HOST_DEVICE uint32_t dropout_threshold(float p) {
+FLASHV100_PHILOX_FN uint32_t dropout_threshold(float p) {
   const uint32_t rounded = static_cast<uint32_t>(static_cast<double>(p) * 65536.0 + 0.5);
   return rounded < 65535u ? rounded : 65535u;
 }
@@ -68,14 +68,14 @@ FLASHV100_HOST_DEVICE uint32_t dropout_threshold(float p) {
 // The per-run part of every call: the key and the counter word the (seed, offset) pair sets.
 struct DropoutStream {
   uint32_t key0, key1, offset_word;
-  FLASHV100_HOST_DEVICE DropoutStream(uint64_t seed, uint64_t offset)
+  FLASHV100_PHILOX_FN DropoutStream(uint64_t seed, uint64_t offset)
       : key0(static_cast<uint32_t>(seed)),
         key1(static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32)),
         offset_word(static_cast<uint32_t>(offset)) {}
 };
 
 // The Philox call holding the bits of element (row, col) of head `batch_head` (= b * Hq + h).
-FLASHV100_HOST_DEVICE Philox4 dropout_call(const DropoutStream& stream, uint64_t batch_head,
+FLASHV100_PHILOX_FN Philox4 dropout_call(const DropoutStream& stream, uint64_t batch_head,
                                            uint64_t row, uint64_t col) {
   const uint32_t group = static_cast<uint32_t>(((col >> 5) << 2) | ((col >> 1) & 3));
   const Philox4 counter{group, static_cast<uint32_t>(row), static_cast<uint32_t>(batch_head),
@@ -84,12 +84,12 @@ FLASHV100_HOST_DEVICE Philox4 dropout_call(const DropoutStream& stream, uint64_t
 }
 
 // Word `index` (0..3) of a call: the 16-bit uniforms of columns 8 index + 2 t + {0, 1}.
-FLASHV100_HOST_DEVICE uint32_t philox_word(const Philox4& bits, int index) {
+FLASHV100_PHILOX_FN uint32_t philox_word(const Philox4& bits, int index) {
   return index == 0 ? bits.x : index == 1 ? bits.y : index == 2 ? bits.z : bits.w;
 }
 
 // The 16-bit uniform of column `col` in its call.
-FLASHV100_HOST_DEVICE uint32_t dropout_uniform16(const Philox4& bits, uint64_t col) {
+FLASHV100_PHILOX_FN uint32_t dropout_uniform16(const Philox4& bits, uint64_t col) {
   return (philox_word(bits, static_cast<int>((col >> 3) & 3)) >> (16 * (col & 1))) & 0xFFFFu;
 }
 

@@ -6,8 +6,8 @@
 // tests/test_kernel_emulation.py builds it per (atom, bucket), writes a case and compares the
 // results with the fp64 reference.
 //
-//   c++ -std=c++17 -O1 -Icsrc -Itests/atoms -DEMULATED_ATOM=VoltaAtom -DEMULATED_HEAD_DIM=128 \
-//       tests/atoms/kernel_emulation.cpp && ./a.out DIR
+//   c++ -std=c++17 -O1 -Icsrc -Itests/atoms -DEMULATED_ATOM=VoltaAtom (or AmpereAtom)
+//       -DEMULATED_HEAD_DIM=128 tests/atoms/kernel_emulation.cpp && ./a.out DIR
 // DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim bf16 scale causal
 // window_left window_right softcap mask dropout_p seed offset decode_tile backward deterministic
 // bwd_stages bwd_wide). Tensors, raw little-endian: q [B, Hq, Lq, d], k / v [B, Hkv, Lkv, d],
