@@ -106,8 +106,6 @@ struct Fiber {
   std::unique_ptr<char[]> stack;
   int tid = 0;
   bool done = false;
-  bool waiting = false;
-  long barrier_generation = 0;
 };
 
 struct Warp {
