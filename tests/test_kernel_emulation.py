@@ -366,13 +366,15 @@ def test_kvcache_paged_speculative_rows(emulators, tmp_path, atom, page_size):
                      seqlens=(5, 60, 93), leftpad=[0, 7, 40], num_splits=2)
 
 
-@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("interleaved, page_size", [(True, 0), (False, 0), (True, 64)])
 @pytest.mark.parametrize("atom", ATOMS)
-def test_kvcache_rotary_prefill_chunk(emulators, tmp_path, atom, interleaved):
-    # 40 query rows: the prefill tile; the append kernel rotates q and the new keys.
+def test_kvcache_rotary_prefill_chunk(emulators, tmp_path, atom, interleaved, page_size):
+    # 40 query rows: the prefill tile (paged or not); the append kernel rotates q and the new
+    # keys.
     run_kvcache_case(emulators, tmp_path, atom=atom, head_dim=128, len_q=40, seqlen_new=40,
                      cache_rows=128, seqlens=(0, 50, 88), rotary_dim=64,
-                     rotary_interleaved=interleaved, decode_tile=False, num_splits=2)
+                     rotary_interleaved=interleaved, page_size=page_size, decode_tile=False,
+                     num_splits=2)
 
 
 @pytest.mark.parametrize("atom", ATOMS)
