@@ -87,6 +87,35 @@ def bucket_of(head_dim):
     return 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
+def emulate(emulators, tmp_path, atom, head_dim, case, tensors):
+    """Writes the case (case.txt) and its tensors (16-bit ones as raw bits, the others as they
+    are) to tmp_path and runs the (atom, bucket) emulation on them; returns read(name, shape,
+    dtype), a tensor the run wrote."""
+    (tmp_path / "case.txt").write_text("".join(f"{k} {v!r}\n" for k, v in case.items()))
+    for name, t in tensors.items():
+        if t.element_size() == 2:
+            t = t.view(torch.int16)
+        t.contiguous().numpy().tofile(tmp_path / name)
+    run = subprocess.run([str(emulators(atom, bucket_of(head_dim))), str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    def read(name, shape, dtype):
+        if dtype == torch.float32:
+            return torch.from_numpy(np.fromfile(tmp_path / name, dtype=np.float32)).reshape(shape)
+        raw = torch.from_numpy(np.fromfile(tmp_path / name, dtype=np.int16))
+        return raw.view(dtype).reshape(shape)
+
+    return read
+
+
+def assert_lse_close(lse, reference_lse, atol):
+    """-inf exactly where a row sees no key, else within atol of the fp64 value."""
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(reference_lse))
+    finite = torch.isfinite(reference_lse)
+    assert torch.allclose(lse[finite].double(), reference_lse[finite], rtol=1e-5, atol=atol)
+
+
 def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q=40, len_kv=56,
              head_dim=64, bf16=False, causal=0, window=(-1, -1), softcap=0.0, mask=None,
              dropout_p=0.0, decode_tile=False, backward=True, deterministic=False, bwd_stages=1,
@@ -103,21 +132,10 @@ def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q
                 mask=int(mask is not None), dropout_p=dropout_p, seed=1234 + seed, offset=64,
                 decode_tile=int(decode_tile), backward=int(backward),
                 deterministic=int(deterministic), bwd_stages=bwd_stages, bwd_wide=int(bwd_wide))
-    (tmp_path / "case.txt").write_text("".join(f"{k} {v!r}\n" for k, v in case.items()))
     tensors = dict(q=q, k=k, v=v, dout=dout)
-    for name, t in tensors.items():
-        t.contiguous().view(torch.int16).numpy().tofile(tmp_path / name)
     if mask is not None:
-        mask.float().contiguous().numpy().tofile(tmp_path / "mask")
-    binary = emulators(atom, bucket_of(head_dim))
-    run = subprocess.run([str(binary), str(tmp_path)], capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-
-    def result(name, like):
-        raw = torch.from_numpy(np.fromfile(tmp_path / name, dtype=np.int16))
-        return raw.view(dtype).reshape(like.shape)
-
+        tensors["mask"] = mask.float()
+    read = emulate(emulators, tmp_path, atom, head_dim, case, tensors)
     case.update(window=window)
     keep = None
     if dropout_p > 0:
@@ -126,16 +144,11 @@ def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q
                                                  batch, heads_q, len_q, len_kv, dropout_p)
     ref = reference(q, k, v, dout, case, mask, keep, torch.float64)
     low = reference(q, k, v, dout, case, mask, keep, dtype)
-    out = result("out", q)
-    lse = torch.from_numpy(np.fromfile(tmp_path / "lse", dtype=np.float32)).reshape(q.shape[:3])
-    assert_fa2_close(out, ref[0], low[0], "out")
-    # lse: -inf exactly where a row sees no key, else within fp32 rounding of the fp64 value.
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
-    finite = torch.isfinite(ref[1])
-    assert torch.allclose(lse[finite].double(), ref[1][finite], rtol=1e-5, atol=1e-4)
+    assert_fa2_close(read("out", q.shape, dtype), ref[0], low[0], "out")
+    assert_lse_close(read("lse", q.shape[:3], torch.float32), ref[1], atol=1e-4)
     if backward:
         for name, like, r, l in zip(("dq", "dk", "dv"), (q, k, v), ref[2:], low[2:]):
-            assert_fa2_close(result(name, like), r, l, name)
+            assert_fa2_close(read(name, like.shape, dtype), r, l, name)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 40, 64, 96, 128, 256])
@@ -310,24 +323,13 @@ def run_kvcache_case(emulators, tmp_path, *, atom, batch=3, heads_q=4, heads_kv=
                 rotary_interleaved=int(rotary_interleaved), seqlen_ro=seqlen_ro,
                 num_splits=num_splits, append_in_kernel=int(append_in_kernel),
                 pack_gqa=int(pack_gqa))
-    (tmp_path / "case.txt").write_text("".join(f"{k} {v!r}\n" for k, v in case.items()))
-    files = dict(q=q.transpose(1, 2), k=k_cache, v=v_cache, k_new=k_new, v_new=v_new)
+    tensors = dict(q=q.transpose(1, 2), k=k_cache, v=v_cache, k_new=k_new, v_new=v_new)
     if rotary_dim:
-        files.update(cos=cos, sin=sin)
-    for name, t in files.items():
-        t.contiguous().view(torch.int16).numpy().tofile(tmp_path / name)
+        tensors.update(cos=cos, sin=sin)
     index = dict(seqlens=seqlens_t, leftpad=leftpad, batch_idx=batch_idx, block_table=block_table)
-    for name, t in index.items():
-        if t is not None:
-            torch.as_tensor(t, dtype=torch.int32).contiguous().numpy().tofile(tmp_path / name)
-    binary = emulators(atom, bucket_of(head_dim))
-    run = subprocess.run([str(binary), str(tmp_path)], capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-
-    def result(name, like):
-        return torch.from_numpy(np.fromfile(tmp_path / name, dtype=np.int16)).view(dtype).reshape(like.shape)
-
+    tensors.update({name: torch.as_tensor(t, dtype=torch.int32) for name, t in index.items()
+                    if t is not None})
+    read = emulate(emulators, tmp_path, atom, head_dim, case, tensors)
     kwargs = dict(cache_seqlens=seqlens_t, rotary_cos=cos, rotary_sin=sin,
                   cache_batch_idx=None if batch_idx is None else torch.tensor(batch_idx),
                   cache_leftpad=None if leftpad is None else torch.tensor(leftpad),
@@ -335,16 +337,13 @@ def run_kvcache_case(emulators, tmp_path, *, atom, batch=3, heads_q=4, heads_kv=
                   rotary_interleaved=rotary_interleaved)
     ref = kvcache_reference(q, k_cache, v_cache, k_new, v_new, **kwargs)
     low = kvcache_reference(q, k_cache, v_cache, k_new, v_new, compute_dtype=torch.float32, **kwargs)
-    out = result("out", q.transpose(1, 2)).transpose(1, 2)
+    out = read("out", q.transpose(1, 2).shape, dtype).transpose(1, 2)
     assert_fa2_close(out, ref[0], low[0].to(dtype), "out")
-    lse = torch.from_numpy(np.fromfile(tmp_path / "lse", dtype=np.float32)).reshape(ref[1].shape)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
-    finite = torch.isfinite(ref[1])
-    assert torch.allclose(lse[finite].double(), ref[1][finite], rtol=1e-5, atol=1e-3)
+    assert_lse_close(read("lse", ref[1].shape, torch.float32), ref[1], atol=1e-3)
     # The caches: appended rows as the reference stores them (rotated keys within one fp16
     # rounding of it: fp32 against fp64 rotation), every other row untouched.
     for name, expected in (("k_cache", ref[2]), ("v_cache", ref[3])):
-        got = result(name, expected)
+        got = read(name, expected.shape, dtype)
         assert torch.allclose(got.float(), expected.float(), rtol=2e-3, atol=2e-3), name
         untouched = expected == (k_cache if name == "k_cache" else v_cache)
         assert torch.equal(got[untouched], expected[untouched]), name

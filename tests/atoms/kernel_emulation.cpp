@@ -134,6 +134,36 @@ ForwardParams forward_params(const std::map<std::string, double>& c, std::vector
   return p;
 }
 
+// The forward kernel of p in the prefill or the decode tile (forward_launch.cuh): one block per
+// (query tile, batch * query head, split); K / V through a block table where p has one.
+template <class Elem, Variant V>
+void run_forward(const ForwardParams& p, bool decode_tile) {
+  constexpr int D = kBucket;
+  const auto forward = [&](auto shape, auto paged) {
+    constexpr kern::FwdShape kShape = decltype(shape)::value;
+    constexpr bool kPaged = decltype(paged)::value;
+    using Cfg = kern::FwdConfig<Atom, D, V, kShape, kPaged>;
+    launch(dim3{grid(ceil_div(p.shape.len_q, Cfg::kBlockM)), grid(p.shape.batch * p.shape.heads_q),
+                grid(p.split.num_splits)},
+           Cfg::kThreads, kern::flash_fwd_kernel<Atom, Elem, D, V, kPaged, kShape>, p);
+  };
+  const auto in_tile = [&](auto shape) {
+    if (p.kvcache.block_table != nullptr) {
+      forward(shape, std::true_type{});
+    } else {
+      forward(shape, std::false_type{});
+    }
+  };
+  if (!decode_tile) {
+    in_tile(std::integral_constant<kern::FwdShape, kern::FwdShape::kPrefill>{});
+  } else if constexpr (kern::has_decode_tile<Atom>(D) && !kern::has_dropout(V)) {
+    if (p.shape.len_q > kern::kDecodeRows) unsupported("the decode tile takes at most 32 rows");
+    in_tile(std::integral_constant<kern::FwdShape, kern::FwdShape::kDecode>{});
+  } else {
+    unsupported("no decode tile for this atom, head dim and variant");
+  }
+}
+
 // The backward after a forward: the D pre-pass, dK/dV and dQ in the configuration (query-side
 // buffers, tile size) backward_launch.cuh's `run` would launch.
 template <class Elem, int D, Variant V, int kStages, kern::BwdTileSize kSize>
@@ -190,22 +220,7 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   p.dropout.seed = static_cast<uint64_t>(c.at("seed"));
   p.dropout.offset = static_cast<uint64_t>(c.at("offset"));
 
-  const auto forward = [&](auto shape) {
-    constexpr kern::FwdShape kShape = decltype(shape)::value;
-    using Cfg = kern::FwdConfig<Atom, D, V, kShape>;
-    launch(dim3{grid(ceil_div(Lq, Cfg::kBlockM)), grid(B * Hq), 1}, Cfg::kThreads,
-           kern::flash_fwd_kernel<Atom, Elem, D, V, false, kShape>, p);
-  };
-  if (c.at("decode_tile") != 0) {
-    if constexpr (kern::has_decode_tile<Atom>(D) && !kern::has_dropout(V)) {
-      if (Lq > kern::kDecodeRows) unsupported("the decode tile takes at most kDecodeRows rows");
-      forward(std::integral_constant<kern::FwdShape, kern::FwdShape::kDecode>{});
-    } else {
-      unsupported("no decode tile for this atom, head dim and variant");
-    }
-  } else {
-    forward(std::integral_constant<kern::FwdShape, kern::FwdShape::kPrefill>{});
-  }
+  run_forward<Elem, V>(p, c.at("decode_tile") != 0);
   write_tensor(dir + "/out", out);
   write_tensor(dir + "/lse", lse);
   if (c.at("backward") == 0) return;
@@ -251,7 +266,6 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
 // count given): append, forward (paged or not, either tile), combine.
 template <class Elem, Variant V>
 void run_kvcache(const std::map<std::string, double>& c, const std::string& dir) {
-  constexpr int D = kBucket;
   const int64_t B = c.at("batch"), Hq = c.at("heads_q"), Hkv = c.at("heads_kv");
   const int64_t Lq = c.at("len_q"), d = c.at("head_dim");
   const int64_t cache_batch = c.at("cache_batch"), cache_rows = c.at("cache_rows");
@@ -352,31 +366,7 @@ void run_kvcache(const std::map<std::string, double>& c, const std::string& dir)
     p.split.out_accum = out_accum.data();
     p.split.lse_accum = lse_accum.data();
   }
-  const auto forward = [&](auto shape, auto paged_tag) {
-    constexpr kern::FwdShape kShape = decltype(shape)::value;
-    constexpr bool kPaged = decltype(paged_tag)::value;
-    using Cfg = kern::FwdConfig<Atom, D, V, kShape, kPaged>;
-    launch(dim3{grid(ceil_div(p.shape.len_q, Cfg::kBlockM)), grid(p.shape.batch * p.shape.heads_q),
-                grid(p.split.num_splits)},
-           Cfg::kThreads, kern::flash_fwd_kernel<Atom, Elem, D, V, kPaged, kShape>, p);
-  };
-  const auto with_paging = [&](auto shape) {
-    if (paged) {
-      forward(shape, std::true_type{});
-    } else {
-      forward(shape, std::false_type{});
-    }
-  };
-  if (decode_tile) {
-    if constexpr (kern::has_decode_tile<Atom>(D)) {
-      if (p.shape.len_q > kern::kDecodeRows) unsupported("the decode tile takes at most 32 rows");
-      with_paging(std::integral_constant<kern::FwdShape, kern::FwdShape::kDecode>{});
-    } else {
-      unsupported("no decode tile for this atom and head dim");
-    }
-  } else {
-    with_paging(std::integral_constant<kern::FwdShape, kern::FwdShape::kPrefill>{});
-  }
+  run_forward<Elem, V>(p, decode_tile);
   if (p.split.num_splits > 1)
     launch(dim3{grid(ceil_div(rows, kern::kCombineWarps)), 1, 1}, kern::kCombineWarps * 32,
            kern::split_kv_combine_kernel<Elem>, p);

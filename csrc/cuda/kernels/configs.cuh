@@ -93,7 +93,7 @@ struct FwdTile {
   // Volta keeps each warp's Q fragments in registers over the key loop (warp_tile.cuh,
   // RegisterOperand) up to head dim 128: 2 per 4 columns, 64 registers at 128. Its products are
   // bound by shared memory's 128 bytes a cycle, which a fragment load (LDS.64) takes 2 cycles of;
-  // the Q loads were 18% of the plain forward's shared-memory cycles at head dims 64 and 128
+  // the Q loads were 18% (head dim 128) and 9% (64) of the plain forward's shared-memory cycles
   // (scripts/sass_loops.py, sm_70).
   static constexpr bool kQInRegisters = Atom::kNativeArch < 800 && kHeadDim <= 128;
 };
@@ -236,14 +236,14 @@ template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize
 struct BwdTile;
 // Whether a variant takes its atom's smaller tile (kSmall): those other than plain, where the
 // plain tile would spill registers; on Volta at head dim 64 the masked variant fits the plain
-// tile too (229 registers, sm_70) and only the dropout variants take the smaller one.
+// tile too (245 registers, sm_70) and only the dropout variants take the smaller one.
 template <class Atom, int kHeadDim, Variant kVariant>
 constexpr __host__ __device__ bool takes_small_bwd_tile() {
   return Atom::kNativeArch < 800 && kHeadDim == 64 ? has_dropout(kVariant)
                                                    : kVariant != Variant::kPlain;
 }
-// Volta: 16-row warp tiles (registers), smaller where the variants other than plain would spill.
-// Head dim 64: 64 x 128 over 8 warps (32 x 32 S / dP and dK / dV warp tiles), 88.5 KB; against
+// Volta: 16- and 32-row warp tiles (registers), smaller where the variants other than plain would
+// spill. Head dim 64: 64 x 128 over 8 warps (32 x 32 S / dP and dK / dV warp tiles), 88.5 KB; against
 // 64 x 64 over 4 warps it holds 8 warps per SM instead of 4 (one block: shared memory) and loads
 // fewer fragments per MMA: sm_70 shared-memory ceiling of the plain dK/dV step 74-76% -> 84-86%,
 // issue ceiling 85-100% -> 95-100%; the masked variant's (64 x 64 over 8 warps before) 61-63% ->
