@@ -208,13 +208,17 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape, kPaged> {
 // Backward: a (kBlockM query x kBlockN key) tile. The warp grids split S/dP [M x N] (over the
 // first kSWarps warps: a 32x32 tile has only four 16x16 Volta tiles), dK/dV [N x E] and
 // dQ [M x kDqCols] (dQ is produced kDqCols head-dim columns at a time to bound registers).
-// kWarpsN* = warps along the columns of each grid.
+// kWarpsN* = warps along the columns of each grid. kSplitScores: S (and P) on the first kSWarps
+// warps, dP on the other kSWarps, each warp one product of twice the tile (flash_bwd.cuh,
+// compute_p_ds); else each of the first kSWarps warps computes both for its tile.
 template <int kBlockM_, int kBlockN_, int kWarps_, int kSWarps_, int kWarpsNS_, int kWarpsNKV_,
-          int kWarpsNQ_, int kDqCols_>
+          int kWarpsNQ_, int kDqCols_, bool kSplitScores_ = false>
 struct BwdTileShape {
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_,
                        kSWarps = kSWarps_, kWarpsNS = kWarpsNS_, kWarpsNKV = kWarpsNKV_,
                        kWarpsNQ = kWarpsNQ_, kDqCols = kDqCols_;
+  static constexpr bool kSplitScores = kSplitScores_;
+  static_assert(!kSplitScores || 2 * kSWarps == kWarps, "split scores: half the warps each");
 };
 // Backward tile sizes: kCompact fits every GPU of its atom (shared memory: configs below); kWide
 // is FlashAttention-2's tile with two query-side buffers, picked at launch where the device's
@@ -255,9 +259,14 @@ template <> struct BwdTile<VoltaAtom, 64, true> : BwdTileShape<64, 64, 8, 8, 2, 
 // Head dims 128 and 256: 32 x 32 dK / dV (and at 128 dQ) warp tiles, one fragment loaded per
 // MMA where 16 x 64 loaded five per four, in the same registers: sm_70 dK/dV shared-memory
 // ceiling 70-72% -> 78-81% (head dim 128 plain and mask), 75-80% -> 92-99% (dropout variants),
-// 54-57% -> 57-59% (256 plain and mask), 66-76% -> 76-90% (256 dropout variants).
-template <bool G> struct BwdTile<VoltaAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 2, 4, 4, 128> {};
-template <bool G> struct BwdTile<VoltaAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 8, 4, 128> {};
+// 54-57% -> 57-59% (256 plain and mask), 66-76% -> 76-90% (256 dropout variants). S and dP on
+// the warp halves (kSplitScores): at head dim 128 on 32 x 32 warp tiles where each warp computed
+// both on 16 x 32, one fragment loaded per MMA instead of three per two (dK/dV 78-81% -> 88-99%,
+// plain); at 256 the four warps idle during S and dP take dP (57-59% -> 60-66%).
+template <bool G>
+struct BwdTile<VoltaAtom, 128, G> : BwdTileShape<64, 64, 8, 4, 2, 4, 4, 128, true> {};
+template <bool G>
+struct BwdTile<VoltaAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 8, 4, 128, true> {};
 // Ampere+: 32-row warp tiles, so that each B fragment read from shared memory feeds two MMAs
 // (16-row tiles leave the products bound by shared-memory bandwidth); 128 keys per block up to
 // head dim 64.

@@ -137,29 +137,75 @@ struct BwdHead {
         dmask_ld(p.fwd.shape.len_kv) {}
 };
 
+// P of compute_p_ds's warp tile by pairs of accumulator registers (i even): in the warp's own
+// accumulator, or in a shared tile laid out as store_accum_smem writes one.
+template <class Acc>
+struct AccumPairs {
+  Acc& acc;
+  __device__ __forceinline__ void get(int fm, int fn, int i, float (&v)[2]) const {
+    v[0] = acc.c[fm][fn][i];
+    v[1] = acc.c[fm][fn][i + 1];
+  }
+  __device__ __forceinline__ void set(int fm, int fn, int i, float v0, float v1) const {
+    acc.c[fm][fn][i] = v0;
+    acc.c[fm][fn][i + 1] = v1;
+  }
+};
+template <class Atom, class Elem, class Acc>
+struct SharedPairs {
+  uint16_t* tile;  // the warp tile's (0, 0)
+  int ld;
+  int lane;
+  __device__ __forceinline__ uint32_t* at(int fm, int fn, int i) const {
+    return reinterpret_cast<uint32_t*>(tile + Acc::row_of(lane, fm, Atom::row_slot(i)) * ld +
+                                       Acc::col_of(lane, fn, i));
+  }
+  __device__ __forceinline__ void get(int fm, int fn, int i, float (&v)[2]) const {
+    const uint32_t pair = *at(fm, fn, i);
+    v[0] = low_float<Elem>(pair);
+    v[1] = high_float<Elem>(pair);
+  }
+  __device__ __forceinline__ void set(int fm, int fn, int i, float v0, float v1) const {
+    *at(fm, fn, i) = pack2<Elem>(v0, v1);
+  }
+};
+
 // Recomputes P = exp(S * scale + bias - lse) (general variant: BwdSmem's row_base and log2_norm
 // in place of lse) of the (m0, n0) tile and dS = P * (dP - D) with dP = dO V^T (times the
 // dropout factors), and stores P (times the keep mask) and dS (as Elem) into shared memory for
 // the products that reduce over rows or keys. kWriteDMask: also write dS, the gradient of an
 // additive mask, to head.dmask (each tile is visited once by the dK/dV kernel).
+// Cfg::kSplitScores: the first kSWarps warps compute S and P, store P (as Elem) and are done; the
+// others compute dP of the same tiles meanwhile and, after a block barrier inside, read that P
+// back for dS (and P times the keep mask). Every warp of the block must call it then.
 template <class Atom, class Elem, class Cfg, bool kStoreP, bool kWriteDMask>
 __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHead& head,
                                              const Dropout& dropout, float scale, int k_extent,
                                              int m0, int n0, int warp, int lane) {
   using Acc = WarpAccum<Atom, Cfg::kSRows, Cfg::kSCols>;
-  if (warp >= Cfg::kSWarps) return;
+  constexpr bool kSplit = Cfg::kSplitScores;
+  if (!kSplit && warp >= Cfg::kSWarps) return;
+  const bool p_warp = warp < Cfg::kSWarps;  // split: S and P, not dP
+  const int tile = kSplit ? warp % Cfg::kSWarps : warp;
   const Visibility& vis = head.vis;
-  const int r0 = (warp / Cfg::kWarpsNS) * Cfg::kSRows;
-  const int c0 = (warp % Cfg::kWarpsNS) * Cfg::kSCols;
-  Acc s, dp;
-  s.zero();
-  dp.zero();
-  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(
-      s, KMajor{sm.q + r0 * Cfg::kLdE, Cfg::kLdE}, KMajor{sm.k + c0 * Cfg::kLdE, Cfg::kLdE},
-      k_extent, Cfg::kSCols, lane);
-  warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(
-      dp, KMajor{sm.dout + r0 * Cfg::kLdE, Cfg::kLdE}, KMajor{sm.v + c0 * Cfg::kLdE, Cfg::kLdE},
-      k_extent, Cfg::kSCols, lane);
+  const int r0 = (tile / Cfg::kWarpsNS) * Cfg::kSRows;
+  const int c0 = (tile % Cfg::kWarpsNS) * Cfg::kSCols;
+  // Split: one accumulator, S or dP by the warp's role, from one product.
+  Acc first, second;
+  Acc& s = first;
+  Acc& dp = kSplit ? first : second;
+  const auto product = [&](Acc& acc, const uint16_t* a, const uint16_t* b) {
+    acc.zero();
+    warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(
+        acc, KMajor{a + r0 * Cfg::kLdE, Cfg::kLdE}, KMajor{b + c0 * Cfg::kLdE, Cfg::kLdE},
+        k_extent, Cfg::kSCols, lane);
+  };
+  if constexpr (kSplit) {
+    product(first, p_warp ? sm.q : sm.dout, p_warp ? sm.k : sm.v);
+  } else {
+    product(s, sm.q, sm.k);
+    product(dp, sm.dout, sm.v);
+  }
   // Base (lse) and D of the rows this lane holds; the base in base 2 for the plain variant (one
   // FMA per score), in natural-log units for the general one (scores - base first: finfo.min
   // biases), which adds the row's log2 normalizer in the same FMA.
@@ -175,70 +221,92 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
       if constexpr (Cfg::kGeneral) log2_norm[fm][sl] = sm.log2_norm[r];
       dsum[fm][sl] = sm.dsum[r];
     }
-  // Scores as in the forward (raw for the plain variant, scaled plus bias for the general one);
-  // hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get probability 0.
-  if constexpr (Cfg::kGeneral) s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
-  vis.hide(s, lane, m0 + r0, n0 + c0);
-  if constexpr (Cfg::kGeneral) {
-    head.mods.apply(s, lane, m0 + r0, n0 + c0);
-    head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
-  }
-  s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
-    if (x == neg_inf()) {
-      x = 0.0f;
-    } else if constexpr (Cfg::kGeneral) {
-      x = fast_exp2(fmaf(x - base[fm][sl], kLog2e, log2_norm[fm][sl]));
-    } else {
-      x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));
+  if (!kSplit || p_warp) {
+    // Scores as in the forward (raw for the plain variant, scaled plus bias for the general
+    // one); hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get
+    // probability 0.
+    if constexpr (Cfg::kGeneral) s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
+    vis.hide(s, lane, m0 + r0, n0 + c0);
+    if constexpr (Cfg::kGeneral) {
+      head.mods.apply(s, lane, m0 + r0, n0 + c0);
+      head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
     }
-  });
-  if constexpr (Cfg::kDropout) {
-    // A scheduling fence: without it ptxas starts the Philox calls among the exponentials and
-    // spills the mask + dropout variant (8-16 bytes at 255 registers, sm_80).
-    __syncwarp();
-    // With the dropout factor z = Z / (1 - p) (keep mask Z): dS = P (dP z - D), and P z is
-    // what dV multiplies. One select per entry; the rest are FMA-pipe products.
-    const float inv_keep = dropout.inv_keep();
+    s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
+      if (x == neg_inf()) {
+        x = 0.0f;
+      } else if constexpr (Cfg::kGeneral) {
+        x = fast_exp2(fmaf(x - base[fm][sl], kLog2e, log2_norm[fm][sl]));
+      } else {
+        x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));
+      }
+    });
+  }
+  if constexpr (kSplit) {
+    if (p_warp) store_accum_smem<Elem>(s, sm.p, Cfg::kLdN, r0, c0, lane);
+    __syncthreads();
+    if (p_warp) return;
+  }
+  // dP's warps read P where it is, a pair of registers at a time: their own accumulator, or
+  // (split) the S warps' P in shared memory, so that they hold no second tile.
+  const auto ds_from_p = [&](const auto& prob_pairs) {
     const bool softcap = Cfg::kGeneral && head.mods.softcap();
-    dropout.for_each_keep_pair<Atom, Acc>(
-        lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
-          const int sl = Atom::row_slot(i);
-          const float d_row = dsum[fm][sl];
-          const float z[2] = {k0 ? inv_keep : 0.0f, k1 ? inv_keep : 0.0f};
+    if constexpr (Cfg::kDropout) {
+      // A scheduling fence: without it ptxas starts the Philox calls among the exponentials and
+      // spills the mask + dropout variant (8-16 bytes at 255 registers, sm_80).
+      __syncwarp();
+      // With the dropout factor z = Z / (1 - p) (keep mask Z): dS = P (dP z - D), and P z is
+      // what dV multiplies. One select per entry; the rest are FMA-pipe products.
+      const float inv_keep = dropout.inv_keep();
+      dropout.for_each_keep_pair<Atom, Acc>(
+          lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
+            const int sl = Atom::row_slot(i);
+            const float d_row = dsum[fm][sl];
+            const float z[2] = {k0 ? inv_keep : 0.0f, k1 ? inv_keep : 0.0f};
+            float prob[2];
+            prob_pairs.get(fm, fn, i, prob);
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& prob = s.c[fm][fn][i + e];
-            float& ds = dp.c[fm][fn][i + e];
-            ds = prob * fmaf(ds, z[e], -d_row);
-            if constexpr (Cfg::kGeneral) {
-              if (softcap) {
-                ds *= head.mods.softcap_grad(prob, base[fm][sl], log2_norm[fm][sl],
-                                             m0 + r0 + Acc::row_of(lane, fm, sl),
-                                             n0 + c0 + Acc::col_of(lane, fn, i + e));
+            for (int e = 0; e < 2; ++e) {
+              float& ds = dp.c[fm][fn][i + e];
+              ds = prob[e] * fmaf(ds, z[e], -d_row);
+              if constexpr (Cfg::kGeneral) {
+                if (softcap) {
+                  ds *= head.mods.softcap_grad(prob[e], base[fm][sl], log2_norm[fm][sl],
+                                               m0 + r0 + Acc::row_of(lane, fm, sl),
+                                               n0 + c0 + Acc::col_of(lane, fn, i + e));
+                }
               }
             }
-            prob *= z[e];
-          }
-        });
-  } else {
-    dp.for_each_zip(s, [&](int fm, int sl, float& ds, float& prob) {
-      ds = prob * (ds - dsum[fm][sl]);
-    });
-    if constexpr (Cfg::kGeneral) {
-      if (head.mods.softcap()) {  // dS of the scaled score: times softcap's 1 - tanh^2
+            if constexpr (kStoreP) prob_pairs.set(fm, fn, i, prob[0] * z[0], prob[1] * z[1]);
+          });
+    } else {
 #pragma unroll
-        for (int fm = 0; fm < Acc::kFragM; ++fm)
+      for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
-          for (int fn = 0; fn < Acc::kFragN; ++fn)
+        for (int fn = 0; fn < Acc::kFragN; ++fn)
 #pragma unroll
-            for (int i = 0; i < Atom::kCRegs; ++i) {
-              const int sl = Atom::row_slot(i);
-              dp.c[fm][fn][i] *= head.mods.softcap_grad(
-                  s.c[fm][fn][i], base[fm][sl], log2_norm[fm][sl],
-                  m0 + r0 + Acc::row_of(lane, fm, sl), n0 + c0 + Acc::col_of(lane, fn, i));
+          for (int i = 0; i < Atom::kCRegs; i += 2) {
+            const int sl = Atom::row_slot(i);
+            float prob[2];
+            prob_pairs.get(fm, fn, i, prob);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& ds = dp.c[fm][fn][i + e];
+              ds = prob[e] * (ds - dsum[fm][sl]);
+              if constexpr (Cfg::kGeneral) {
+                if (softcap) {  // dS of the scaled score: times softcap's 1 - tanh^2
+                  ds *= head.mods.softcap_grad(prob[e], base[fm][sl], log2_norm[fm][sl],
+                                               m0 + r0 + Acc::row_of(lane, fm, sl),
+                                               n0 + c0 + Acc::col_of(lane, fn, i + e));
+                }
+              }
             }
-      }
+          }
     }
+  };
+  if constexpr (kSplit) {
+    ds_from_p(SharedPairs<Atom, Elem, Acc>{sm.p + r0 * Cfg::kLdN + c0, Cfg::kLdN, lane});
+  } else {
+    ds_from_p(AccumPairs<Acc>{s});
   }
   if constexpr (Cfg::kGeneral && kWriteDMask) {
     if (head.dmask != nullptr) {
@@ -248,7 +316,7 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
       });
     }
   }
-  if constexpr (kStoreP) store_accum_smem<Elem>(s, sm.p, Cfg::kLdN, r0, c0, lane);
+  if constexpr (kStoreP && !kSplit) store_accum_smem<Elem>(s, sm.p, Cfg::kLdN, r0, c0, lane);
   store_accum_smem<Elem>(dp, sm.ds, Cfg::kLdN, r0, c0, lane);
 }
 
