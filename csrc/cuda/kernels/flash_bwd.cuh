@@ -279,28 +279,35 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
             if constexpr (kStoreP) prob_pairs.set(fm, fn, i, prob[0] * z[0], prob[1] * z[1]);
           });
     } else {
+      // f(fm, fn, i, sl, prob[2]) for each register pair and its P.
+      const auto for_each_prob_pair = [&](auto&& f) {
 #pragma unroll
-      for (int fm = 0; fm < Acc::kFragM; ++fm)
+        for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
-        for (int fn = 0; fn < Acc::kFragN; ++fn)
+          for (int fn = 0; fn < Acc::kFragN; ++fn)
 #pragma unroll
-          for (int i = 0; i < Atom::kCRegs; i += 2) {
-            const int sl = Atom::row_slot(i);
-            float prob[2];
-            prob_pairs.get(fm, fn, i, prob);
+            for (int i = 0; i < Atom::kCRegs; i += 2) {
+              float prob[2];
+              prob_pairs.get(fm, fn, i, prob);
+              f(fm, fn, i, Atom::row_slot(i), prob);
+            }
+      };
+      for_each_prob_pair([&](int fm, int fn, int i, int sl, const float (&prob)[2]) {
+        dp.c[fm][fn][i] = prob[0] * (dp.c[fm][fn][i] - dsum[fm][sl]);
+        dp.c[fm][fn][i + 1] = prob[1] * (dp.c[fm][fn][i + 1] - dsum[fm][sl]);
+      });
+      if constexpr (Cfg::kGeneral) {
+        if (softcap) {  // dS of the scaled score: times softcap's 1 - tanh^2
+          for_each_prob_pair([&](int fm, int fn, int i, int sl, const float (&prob)[2]) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              float& ds = dp.c[fm][fn][i + e];
-              ds = prob[e] * (ds - dsum[fm][sl]);
-              if constexpr (Cfg::kGeneral) {
-                if (softcap) {  // dS of the scaled score: times softcap's 1 - tanh^2
-                  ds *= head.mods.softcap_grad(prob[e], base[fm][sl], log2_norm[fm][sl],
-                                               m0 + r0 + Acc::row_of(lane, fm, sl),
-                                               n0 + c0 + Acc::col_of(lane, fn, i + e));
-                }
-              }
+              dp.c[fm][fn][i + e] *= head.mods.softcap_grad(
+                  prob[e], base[fm][sl], log2_norm[fm][sl], m0 + r0 + Acc::row_of(lane, fm, sl),
+                  n0 + c0 + Acc::col_of(lane, fn, i + e));
             }
-          }
+          });
+        }
+      }
     }
   };
   if constexpr (kSplit) {
