@@ -262,11 +262,13 @@ template <> struct BwdTile<VoltaAtom, 64, true> : BwdTileShape<64, 64, 8, 8, 2, 
 // 54-57% -> 57-59% (256 plain and mask), 66-76% -> 76-90% (256 dropout variants). S and dP on
 // the warp halves (kSplitScores): at head dim 128 on 32 x 32 warp tiles where each warp computed
 // both on 16 x 32, one fragment loaded per MMA instead of three per two (dK/dV 78-81% -> 88-99%,
-// plain); at 256 the four warps idle during S and dP take dP (57-59% -> 60-66%).
+// plain); at 256 the four warps idle during S and dP take dP (57-59% -> 60-66%). Head dim 256
+// adds dQ on 32 x 32 warp tiles over all 256 columns at once (16 x 32 over 128 before):
+// 60-66% -> 64-71%, deterministic dQ 50-52% -> 52-54% (scripts/sass_loops.py, sm_70).
 template <bool G>
 struct BwdTile<VoltaAtom, 128, G> : BwdTileShape<64, 64, 8, 4, 2, 4, 4, 128, true> {};
 template <bool G>
-struct BwdTile<VoltaAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 8, 4, 128, true> {};
+struct BwdTile<VoltaAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 8, 8, 256, true> {};
 // Ampere+: 32-row warp tiles, so that each B fragment read from shared memory feeds two MMAs
 // (16-row tiles leave the products bound by shared-memory bandwidth); 128 keys per block up to
 // head dim 64.
