@@ -8,7 +8,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc \
 //       -o kernel_bench benchmarks/kernel_bench.cu
-//   ./kernel_bench B H L E            (E = 64 or 128; e.g. 16 32 1024 64)
+//   ./kernel_bench B H L E            (E = 64, 128 or 256; e.g. 16 32 1024 64)
 //   ./kernel_bench decode B Hq Hkv S SPLITS...
 //
 // decode: one query token per sequence against a contiguous KV cache [B, S, Hkv, 128] (the plain
@@ -295,7 +295,7 @@ int main(int argc, char** argv) {
   }
   if (argc != 5) {
     std::fprintf(stderr,
-                 "usage: %s B H L E  (E = 64 or 128)\n       %s decode B Hq Hkv S SPLITS...\n",
+                 "usage: %s B H L E  (E = 64, 128 or 256)\n       %s decode B Hq Hkv S SPLITS...\n",
                  argv[0], argv[0]);
     return 2;
   }
@@ -305,8 +305,10 @@ int main(int argc, char** argv) {
     run_variants<64>(batch, heads, len);
   } else if (head_dim == 128) {
     run_variants<128>(batch, heads, len);
+  } else if (head_dim == 256) {
+    run_variants<256>(batch, heads, len);
   } else {
-    std::fprintf(stderr, "E must be 64 or 128\n");
+    std::fprintf(stderr, "E must be 64, 128 or 256\n");
     return 2;
   }
   return 0;
