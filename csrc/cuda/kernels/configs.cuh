@@ -251,11 +251,12 @@ constexpr __host__ __device__ bool takes_small_bwd_tile() {
 // 64 x 64 over 4 warps it holds 8 warps per SM instead of 4 (one block: shared memory) and loads
 // fewer fragments per MMA: sm_70 shared-memory ceiling of the plain dK/dV step 74-76% -> 84-86%,
 // issue ceiling 85-100% -> 95-100%; the masked variant's (64 x 64 over 8 warps before) 61-63% ->
-// 83-85% (scripts/sass_loops.py).
+// 83-85% (scripts/sass_loops.py). Its dropout variants (64 x 64) split S and dP over the warp
+// halves (kSplitScores): 32 x 32 S / dP warp tiles where each warp computed both on 16 x 32.
 template <> struct BwdTile<VoltaAtom, 32, false> : BwdTileShape<64, 64, 8, 4, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 32, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 32> {};
 template <> struct BwdTile<VoltaAtom, 64, false> : BwdTileShape<64, 128, 8, 8, 4, 2, 2, 64> {};
-template <> struct BwdTile<VoltaAtom, 64, true> : BwdTileShape<64, 64, 8, 8, 2, 2, 2, 64> {};
+template <> struct BwdTile<VoltaAtom, 64, true> : BwdTileShape<64, 64, 8, 4, 2, 2, 2, 64, true> {};
 // Head dims 128 and 256: 32 x 32 dK / dV (and at 128 dQ) warp tiles, one fragment loaded per
 // MMA where 16 x 64 loaded five per four, in the same registers: sm_70 dK/dV shared-memory
 // ceiling 70-72% -> 78-81% (head dim 128 plain and mask), 75-80% -> 92-99% (dropout variants),
