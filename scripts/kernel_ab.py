@@ -58,8 +58,9 @@ def build(names: List[str], arch: str) -> None:
         tree = TREES / name
         cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "--expt-relaxed-constexpr",
                "-Icsrc", "-o", "kernel_bench", "benchmarks/kernel_bench.cu"]
-        log = open(tree / "build.log", "w")
-        procs.append((name, subprocess.Popen(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT)))
+        with open(tree / "build.log", "w") as log:  # the child keeps its own descriptor
+            procs.append((name, subprocess.Popen(cmd, cwd=tree, stdout=log,
+                                                 stderr=subprocess.STDOUT)))
     failed = [name for name, proc in procs if proc.wait() != 0]
     if failed:
         sys.exit(f"kernel_ab: build failed for {', '.join(failed)} (build/kernel_ab/*/build.log)")
