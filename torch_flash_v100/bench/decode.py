@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from torch_flash_v100._measure import cuda_graph_replay
 from torch_flash_v100.bench.harness import collect_metadata
 from torch_flash_v100.reference import naive_attention
 
@@ -105,17 +106,6 @@ def _time(fn: Callable[[], object], device: torch.device, reps: int,
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _graph_replay(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn captured once in a CUDA graph (after a warm-up call): its replay, as a serving loop
-    runs a decode step (no host work per launch)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def measure_hbm_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
@@ -269,7 +259,7 @@ def run_decode(configs: List[DecodeConfig], device="cuda", *, impls: Optional[Li
                         row.update(status="error", reason=" ".join(str(e).split())[:300])
                     if row["status"] == "ok" and device.type == "cuda":
                         try:
-                            seconds = _time(_graph_replay(fn), device, reps, flush)
+                            seconds = _time(cuda_graph_replay(fn), device, reps, flush)
                             row.update(graph_time_us=seconds * 1e6,
                                        graph_hbm_fraction=info / seconds / bandwidth)
                         except (RuntimeError, torch.OutOfMemoryError) as e:

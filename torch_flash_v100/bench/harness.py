@@ -8,6 +8,9 @@ Method (also written into every JSON under metadata.method):
     any machine under any load), or chosen adaptively from a time budget for the whole suite.
   * forward is timed with inputs that require grad (a training forward); backward is
     ``out.backward(dout, retain_graph=True)`` on one retained graph; fwd+bwd is both per call.
+    On CUDA also ``graph fwd+bwd``: forward and ``torch.autograd.grad`` captured once in a CUDA
+    graph and replayed, the kernels' time without the host work of a step (which is what eager
+    fwd+bwd measures at small shapes, where the host is slower than the GPU).
     Gradients are reset to None between repetitions (outside the timed region).
   * memory: the peak *extra* memory of one forward+backward above what is allocated before it
     (inputs, dout), including the three gradient tensors (the same for every implementation).
@@ -40,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from torch_flash_v100._measure import peak_memory_mb, synchronize, time_fn
+from torch_flash_v100._measure import cuda_graph_replay, peak_memory_mb, synchronize, time_fn
 from torch_flash_v100.reference import reference_attention
 
 from .implementations import FLASH, Impl, Unsupported, load_flashv100, make_impls
@@ -282,8 +285,8 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
             reps: Optional[int] = None) -> Dict[str, Any]:
     """All numbers for one implementation on one configuration (raises on failure).
     ``inputs`` = (q, k, v, dout, attn_mask); ``ref`` = fp64 (out, dq, dk, dv), or None where
-    accuracy_not_applicable(cfg). Each of fwd, bwd and fwd+bwd is timed over ``reps``
-    repetitions, or over what fits a third of ``budget_s``."""
+    accuracy_not_applicable(cfg). Each of fwd, bwd, fwd+bwd (and on CUDA graph-replayed fwd+bwd)
+    is timed over ``reps`` repetitions, or over an equal share of ``budget_s``."""
     q, k, v, dout, mask = inputs
     flops = flops_fwd(cfg)
     res: Dict[str, Any] = {"status": "ok"}
@@ -327,7 +330,8 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
         res["mem_fwd_mb"] = peak_memory_mb(fwd_nograd, device)
 
         # 2. timings
-        b = None if reps is not None else budget_s / 3.0
+        phases = 4 if device.type == "cuda" else 3  # CUDA adds the graph-replayed fwd+bwd
+        b = None if reps is not None else budget_s / phases
         est = first_ms / 3.5
         tf = time_fn(call, device, b, reps=reps, estimate_ms=est, timer=timer)
         graph = {"out": call()}  # one forward, its graph retained
@@ -341,8 +345,16 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
 
         tfb = time_fn(fb, device, b, reps=reps, setup=zero, estimate_ms=first_ms, timer=timer)
         zero()
-    for name, t, fl in (("fwd", tf, flops), ("bwd", tb, flops * BWD_FLOP_RATIO),
-                        ("fwdbwd", tfb, flops * (1 + BWD_FLOP_RATIO))):
+        timings = [("fwd", tf, flops), ("bwd", tb, flops * BWD_FLOP_RATIO),
+                   ("fwdbwd", tfb, flops * (1 + BWD_FLOP_RATIO))]
+        if device.type == "cuda":
+            try:
+                timings.append(("graph_fwdbwd", _time_graphed_fwd_bwd(call, (q, k, v), dout, device,
+                                                                     b, reps, tfb["ms"], timer),
+                                flops * (1 + BWD_FLOP_RATIO)))
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                res["graph_error"] = " ".join(str(e).split())[:300]
+    for name, t, fl in timings:
         res[f"{name}_ms"] = t["ms"]
         res[f"{name}_ms_p20"] = t["p20"]
         res[f"{name}_ms_p80"] = t["p80"]
@@ -353,9 +365,17 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
     return res
 
 
+def _time_graphed_fwd_bwd(call, leaves, dout, device, budget_s, reps, estimate_ms, timer):
+    """Forward+backward captured in one CUDA graph and replayed: the GPU's time of the step with
+    no host work (launches, allocations, autograd) in it. Where a step is shorter than its host
+    work (small shapes), eager fwd+bwd times the host; this times the kernels."""
+    replay = cuda_graph_replay(lambda: torch.autograd.grad(call(), leaves, dout))
+    return time_fn(replay, device, budget_s, reps=reps, estimate_ms=estimate_ms, timer=timer)
+
+
 # p80 / p20 of one phase above this: the median is no reliable time (a busy machine, clock changes)
 UNSTABLE_SPREAD = 2.0
-_PHASE_LABELS = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
+_PHASE_LABELS = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd", "graph_fwdbwd": "graph fwd+bwd"}
 
 
 def unstable_reasons(res: Dict[str, Any]) -> List[str]:
@@ -572,13 +592,13 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
     return doc
 
 
-PHASES = ("fwd", "bwd", "fwdbwd")
+PHASES = ("fwd", "bwd", "fwdbwd", "graph_fwdbwd")
 
 
 def _time_ratios(r: Dict[str, Any], base: Dict[str, Any]) -> Dict[str, Optional[float]]:
-    """time(r) / time(base) per phase (None where a time is missing)."""
+    """time(r) / time(base) per phase either has timed (None where a time is missing)."""
     out = {}
-    for ph in PHASES:
+    for ph in (ph for ph in PHASES if f"{ph}_ms" in r or f"{ph}_ms" in base):
         a, b = r.get(f"{ph}_ms"), base.get(f"{ph}_ms")
         out[ph] = (a / b) if (a and b) else None
     return out

@@ -63,6 +63,10 @@ def header_markdown(doc: Dict[str, Any]) -> str:
                  "fwd+bwd; speedup = time(impl) / time(flashv100), > 1 means flashv100 is faster; "
                  "errors = max abs vs fp64 reference (n/a with dropout: random outputs); "
                  f"{UNSTABLE_FLAG} = an unstable measurement (see the list below the tables)")
+    if _has_graph_times(doc):
+        lines.append("- graph f+b = forward+backward captured once in a CUDA graph and replayed: "
+                     "the kernels' time without a step's host work, which eager fwd+bwd includes "
+                     "where the GPU waits for the host (small shapes)")
     reps = md.get("repetitions")
     budget = md.get("time_budget_s")
     lines.append(f"- timing: {reps} repetitions per measurement" if reps else
@@ -74,38 +78,60 @@ def header_markdown(doc: Dict[str, Any]) -> str:
 def summary_markdown(doc: Dict[str, Any]) -> str:
     """One row per configuration: flashv100 numbers and its fwd+bwd speedup vs every other impl."""
     impls = [i["name"] for i in doc.get("implementations", []) if i["name"] != FLASH and i.get("available")]
-    head = ["config", "flashv100 fwd ms", "fwd+bwd ms", "TF/s f+b", "mem MB"] + [f"vs {n}" for n in impls]
+    graphed = _has_graph_times(doc)
+    phases = ["fwdbwd"] + (["graph_fwdbwd"] if graphed else [])
+    head = (["config", "flashv100 fwd ms", "fwd+bwd ms"] + (["graph f+b ms"] if graphed else [])
+            + ["TF/s f+b", "mem MB"] + [f"vs {n}" for n in impls]
+            + ([f"vs {n} (graph)" for n in impls] if graphed else []))
     rows = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for ent in doc.get("results", []):
         fl = ent["impls"].get(FLASH, {})
         if fl.get("status") == "ok":
-            cells = [_f(fl.get("fwd_ms"), 3) + _flag(fl), _f(fl.get("fwdbwd_ms"), 3),
-                     _f(fl.get("tflops_fwdbwd")), _f(fl.get("mem_mb"), 1)]
+            cells = ([_f(fl.get("fwd_ms"), 3) + _flag(fl), _f(fl.get("fwdbwd_ms"), 3)]
+                     + ([_f(fl.get("graph_fwdbwd_ms"), 3)] if graphed else [])
+                     + [_f(fl.get("tflops_fwdbwd")), _f(fl.get("mem_mb"), 1)])
         else:
-            cells = [fl.get("status", "-"), "-", "-", "-"]
-        for n in impls:
-            sp = ent.get("speedup", {}).get(n, {}).get("fwdbwd")
-            if sp is not None:
-                either = fl.get("unstable") or ent["impls"].get(n, {}).get("unstable")
-                cells.append(f"{sp:.2f}x" + _flag({"unstable": either}))
-            else:
-                cells.append(ent["impls"].get(n, {}).get("status", "-"))
+            cells = [fl.get("status", "-")] + ["-"] * (3 + graphed)
+        for ph in phases:
+            for n in impls:
+                sp = ent.get("speedup", {}).get(n, {}).get(ph)
+                if sp is not None:
+                    either = fl.get("unstable") or ent["impls"].get(n, {}).get("unstable")
+                    cells.append(f"{sp:.2f}x" + _flag({"unstable": either}))
+                else:
+                    status = ent["impls"].get(n, {}).get("status", "-")
+                    cells.append("-" if status == "ok" else status)
         rows.append("| " + " | ".join([ent["key"]] + cells) + " |")
     return "\n".join(rows)
 
 
+def _has_graph_times(doc: Dict[str, Any]) -> bool:
+    return any("graph_fwdbwd_ms" in r for ent in doc.get("results", []) for r in ent["impls"].values())
+
+
 def detail_markdown(doc: Dict[str, Any]) -> str:
-    head = ["config", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "TF/s fwd", "TF/s f+b", "mem MB",
-            "mem fwd MB", "speedup f+b", "err out", "err dq", "err dk", "err dv"]
+    graphed = _has_graph_times(doc)
+    head = (["config", "impl", "fwd ms", "bwd ms", "fwd+bwd ms"] + (["graph f+b ms"] if graphed else [])
+            + ["TF/s fwd", "TF/s f+b", "mem MB", "mem fwd MB", "speedup f+b"]
+            + (["speedup graph f+b"] if graphed else []) + ["err out", "err dq", "err dk", "err dv"])
     rows = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     notes: List[str] = []
     for ent in doc.get("results", []):
         for name, r in ent["impls"].items():
             if r.get("status") == "ok":
-                sp = ent.get("speedup", {}).get(name, {}).get("fwdbwd")
-                cells = [_f(r.get("fwd_ms"), 3), _f(r.get("bwd_ms"), 3), _f(r.get("fwdbwd_ms"), 3),
-                         _f(r.get("tflops_fwd")), _f(r.get("tflops_fwdbwd")), _f(r.get("mem_mb"), 1),
-                         _f(r.get("mem_fwd_mb"), 1), "ref" if name == FLASH else (f"{sp:.2f}x" if sp else "-")]
+                def speedup(ph):
+                    sp = ent.get("speedup", {}).get(name, {}).get(ph)
+                    return "ref" if name == FLASH else (f"{sp:.2f}x" if sp else "-")
+
+                graph_cell = [_f(r.get("graph_fwdbwd_ms"), 3)]
+                if r.get("graph_error"):
+                    graph_cell = ["error"]
+                    notes.append(f"- {ent['key']} / {name}: graph capture: {r['graph_error']}")
+                cells = ([_f(r.get("fwd_ms"), 3), _f(r.get("bwd_ms"), 3), _f(r.get("fwdbwd_ms"), 3)]
+                         + (graph_cell if graphed else [])
+                         + [_f(r.get("tflops_fwd")), _f(r.get("tflops_fwdbwd")), _f(r.get("mem_mb"), 1),
+                            _f(r.get("mem_fwd_mb"), 1), speedup("fwdbwd")]
+                         + ([speedup("graph_fwdbwd")] if graphed else []))
                 # "accuracy" holds why errors are not applicable (dropout): n/a, not a failure
                 cells += [("n/a" if r.get("accuracy") else _e(r.get(e)))
                           for e in ("err_out", "err_dq", "err_dk", "err_dv")]
