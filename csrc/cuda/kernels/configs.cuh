@@ -229,12 +229,14 @@ struct BwdTileShape {
 // (benchmarks/results/kernel_bench_h200_wide_tile.txt). Head dim 64: 128 x 128 (plain only; the
 // dropout variant spills 56 bytes), 177 KB; against 64 x 128 it halves the K/V-side work per
 // query row (block barriers, the dS/P staging per step), 5-8% faster on the H200 (kernel_bench,
-// 512-4k keys).
+// 512-4k keys). Head dim 256: 64 x 64 (every variant), 216.5 KB; against 32 x 32 it quarters the
+// tile steps per query-key pair (sm_80 SASS of the plain dK/dV step: 4.61 -> 3.11 instructions per
+// MMA; NOT YET MEASURED ON A GPU).
 enum class BwdTileSize { kCompact, kWide };
 template <class Atom, int kHeadDim, Variant kVariant>
 constexpr __host__ __device__ bool has_wide_bwd_tile() {
   return Atom::kAsyncCopy && ((kHeadDim == 128 && !is_general(kVariant)) ||
-                              (kHeadDim == 64 && kVariant == Variant::kPlain));
+                              (kHeadDim == 64 && kVariant == Variant::kPlain) || kHeadDim == 256);
 }
 template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize::kCompact>
 struct BwdTile;
@@ -287,6 +289,12 @@ struct BwdTile<AmpereAtom, 64, G, BwdTileSize::kWide>
 template <bool G>
 struct BwdTile<AmpereAtom, 128, G, BwdTileSize::kWide>
     : BwdTileShape<64, 128, 8, 8, 4, 4, 2, 64> {};
+// Head dim 256: 16 x 32 S warp tiles, 32 x 64 dK/dV warp tiles, 32 x 32 dQ warp tiles in two
+// head-dim chunks (FlashAttention-2's warp grids); within 255 registers without spills on sm_80 in
+// every variant.
+template <bool G>
+struct BwdTile<AmpereAtom, 256, G, BwdTileSize::kWide>
+    : BwdTileShape<64, 64, 8, 8, 2, 4, 4, 128> {};
 
 // Query-side buffers (Q, dO) of the dK/dV kernel: with two (cp.async only) the next step's Q and
 // dO load during the whole step and a step takes two block barriers instead of three
