@@ -71,16 +71,16 @@ struct FwdTile {
   // per-entry offsets; the paged kernel's page addressing still spilled 48 bytes (sm_80).
   static constexpr bool kWideKeys = kWide && kHeadDim == 128 && !kPaged;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
-  // (scripts/nvrtc_gate.py). Volta takes 32 at head dim 256 with contiguous K/V: S's warp tile
+  // (scripts/nvrtc_gate.py). Head dim 256 takes 32 keys with contiguous K/V. Volta: S's warp tile
   // loads 3 fragments per 2 MMAs instead of 2 per 1; sm_70 shared-memory ceiling of the plain
   // step 60-62% -> 70-74%, issue ceiling 89-100% -> 100% (scripts/sass_loops.py), 71 KB (one
-  // block per SM either way). The Ampere atom keeps 16 until measured (a third fewer blocks per
-  // SM on an A100 / H100); the paged kernels keep 16 (the masked one spilled 76 bytes at 32,
-  // sm_80).
+  // block per SM either way). Ampere: sm_80 SASS of the plain step 4.66-11.69 -> 4.17-8.41
+  // instructions per MMA, 66 KB (a third fewer blocks per SM on an A100 / H100; NOT YET
+  // MEASURED ON A GPU). The paged kernels keep 16 (the masked one spilled 76 bytes at 32, sm_80).
   static constexpr int kBlockN = kHeadDim <= 64    ? 64
                                  : kHeadDim == 128 ? (kWideKeys ? 64 : 32)
-                                 : Atom::kNativeArch < 800 && !kPaged ? 32
-                                                                      : 16;
+                                 : kPaged          ? 16
+                                                   : 32;
   // K/V buffers (flash_fwd.cuh). One: V loads during S and the next K during P.V. Two (cp.async
   // only) in the 32-key tiles at head dim 128: the next tile's K and V load during this whole
   // tile, one block barrier a tile. Forward on the H200 (kernel_bench, 4k and 512 keys): plain
