@@ -223,10 +223,11 @@ def test_bf16(emulators, tmp_path, head_dim):
 # two query-side buffers, and the wide tiles where the variant has one.
 @pytest.mark.parametrize("head_dim, variant, wide", [
     (32, "plain", False), (64, "mask", False), (128, "dropout", False), (256, "plain", False),
-    (64, "plain", True), (128, "plain", True), (128, "dropout", True)])
+    (64, "plain", True), (128, "plain", True), (128, "dropout", True), (256, "plain", True),
+    (256, "mask", True), (256, "dropout", True)])
 def test_backward_configurations(emulators, tmp_path, head_dim, variant, wide):
-    mask = left_padding_mask(1, 2, 150, [21]) if variant == "mask" else None
     length = 70 if head_dim == 256 else 150
+    mask = left_padding_mask(1, 2, length, [21]) if variant == "mask" else None
     run_case(emulators, tmp_path, atom="AmpereAtom", head_dim=head_dim, len_q=length,
              len_kv=length, heads_kv=2, causal=1, mask=mask,
              dropout_p=0.15 if variant == "dropout" else 0.0, bwd_stages=2, bwd_wide=wide)

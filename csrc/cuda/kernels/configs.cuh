@@ -71,16 +71,16 @@ struct FwdTile {
   // per-entry offsets; the paged kernel's page addressing still spilled 48 bytes (sm_80).
   static constexpr bool kWideKeys = kWide && kHeadDim == 128 && !kPaged;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
-  // (scripts/nvrtc_gate.py). Volta takes 32 at head dim 256 with contiguous K/V: S's warp tile
+  // (scripts/nvrtc_gate.py). Head dim 256 takes 32 keys with contiguous K/V. Volta: S's warp tile
   // loads 3 fragments per 2 MMAs instead of 2 per 1; sm_70 shared-memory ceiling of the plain
   // step 60-62% -> 70-74%, issue ceiling 89-100% -> 100% (scripts/sass_loops.py), 71 KB (one
-  // block per SM either way). The Ampere atom keeps 16 until measured (a third fewer blocks per
-  // SM on an A100 / H100); the paged kernels keep 16 (the masked one spilled 76 bytes at 32,
-  // sm_80).
+  // block per SM either way). Ampere: sm_80 SASS of the plain step 4.66-11.69 -> 4.17-8.41
+  // instructions per MMA, 66 KB (a third fewer blocks per SM on an A100 / H100; NOT YET
+  // MEASURED ON A GPU). The paged kernels keep 16 (the masked one spilled 76 bytes at 32, sm_80).
   static constexpr int kBlockN = kHeadDim <= 64    ? 64
                                  : kHeadDim == 128 ? (kWideKeys ? 64 : 32)
-                                 : Atom::kNativeArch < 800 && !kPaged ? 32
-                                                                      : 16;
+                                 : kPaged          ? 16
+                                                   : 32;
   // K/V buffers (flash_fwd.cuh). One: V loads during S and the next K during P.V. Two (cp.async
   // only) in the 32-key tiles at head dim 128: the next tile's K and V load during this whole
   // tile, one block barrier a tile. Forward on the H200 (kernel_bench, 4k and 512 keys): plain
@@ -229,12 +229,14 @@ struct BwdTileShape {
 // (benchmarks/results/kernel_bench_h200_wide_tile.txt). Head dim 64: 128 x 128 (plain only; the
 // dropout variant spills 56 bytes), 177 KB; against 64 x 128 it halves the K/V-side work per
 // query row (block barriers, the dS/P staging per step), 5-8% faster on the H200 (kernel_bench,
-// 512-4k keys).
+// 512-4k keys). Head dim 256: 64 x 64 (every variant), 216.5 KB; against 32 x 32 it quarters the
+// tile steps per query-key pair (sm_80 SASS of the plain dK/dV step: 4.61 -> 3.11 instructions per
+// MMA; NOT YET MEASURED ON A GPU).
 enum class BwdTileSize { kCompact, kWide };
 template <class Atom, int kHeadDim, Variant kVariant>
 constexpr __host__ __device__ bool has_wide_bwd_tile() {
   return Atom::kAsyncCopy && ((kHeadDim == 128 && !is_general(kVariant)) ||
-                              (kHeadDim == 64 && kVariant == Variant::kPlain));
+                              (kHeadDim == 64 && kVariant == Variant::kPlain) || kHeadDim == 256);
 }
 template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize::kCompact>
 struct BwdTile;
@@ -288,6 +290,12 @@ struct BwdTile<AmpereAtom, 64, G, BwdTileSize::kWide>
 template <bool G>
 struct BwdTile<AmpereAtom, 128, G, BwdTileSize::kWide>
     : BwdTileShape<64, 128, 8, 8, 4, 4, 2, 64> {};
+// Head dim 256: 16 x 32 S warp tiles, 32 x 64 dK/dV warp tiles, 32 x 32 dQ warp tiles in two
+// head-dim chunks (FlashAttention-2's warp grids); within 255 registers without spills on sm_80 in
+// every variant.
+template <bool G>
+struct BwdTile<AmpereAtom, 256, G, BwdTileSize::kWide>
+    : BwdTileShape<64, 64, 8, 8, 2, 4, 4, 128> {};
 
 // Query-side buffers (Q, dO) of the dK/dV kernel: with two (cp.async only) the next step's Q and
 // dO load during the whole step and a step takes two block barriers instead of three
