@@ -140,6 +140,8 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
       as_4d(with_contiguous_last_dim(value)), mask4, drop_all ? 0.0 : dropout_p,
       is_causal ? 1 : 0, softmax_scale));
   if (drop_all) out = out * 0;
+  // 4-D query: out has its shape already, and a view would add an autograd node to every step.
+  if (query.dim() == 4) return out;
   c10::SymDimVector out_shape(query.sym_sizes().begin(), query.sym_sizes().end());
   out_shape.back() = value.sym_size(-1);
   return out.view_symint(out_shape);
