@@ -330,8 +330,8 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
         res["mem_fwd_mb"] = peak_memory_mb(fwd_nograd, device)
 
         # 2. timings
-        phases = 4 if device.type == "cuda" else 3  # CUDA adds the graph-replayed fwd+bwd
-        b = None if reps is not None else budget_s / phases
+        graphed = device.type == "cuda"  # CUDA adds the graph-replayed fwd+bwd
+        b = None if reps is not None else budget_s / (4 if graphed else 3)
         est = first_ms / 3.5
         tf = time_fn(call, device, b, reps=reps, estimate_ms=est, timer=timer)
         graph = {"out": call()}  # one forward, its graph retained
@@ -347,7 +347,7 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
         zero()
         timings = [("fwd", tf, flops), ("bwd", tb, flops * BWD_FLOP_RATIO),
                    ("fwdbwd", tfb, flops * (1 + BWD_FLOP_RATIO))]
-        if device.type == "cuda":
+        if graphed:
             try:
                 timings.append(("graph_fwdbwd", _time_graphed_fwd_bwd(call, (q, k, v), dout, device,
                                                                      b, reps, tfb["ms"], timer),

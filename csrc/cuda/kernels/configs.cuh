@@ -76,7 +76,8 @@ struct FwdTile {
   // step 60-62% -> 70-74%, issue ceiling 89-100% -> 100% (scripts/sass_loops.py), 71 KB (one
   // block per SM either way). Ampere: sm_80 SASS of the plain step 4.66-11.69 -> 4.17-8.41
   // instructions per MMA, 66 KB (a third fewer blocks per SM on an A100 / H100), and the H100
-  // ran the forward 23-25% faster (kernel_ab_h100_a522ea9.txt). The paged kernels keep 16 (the masked one spilled 76 bytes at 32, sm_80).
+  // ran the forward 23-25% faster (kernel_ab_h100_a522ea9.txt). The paged kernels keep 16 (the
+  // masked one spilled 76 bytes at 32, sm_80).
   static constexpr int kBlockN = kHeadDim <= 64    ? 64
                                  : kHeadDim == 128 ? (kWideKeys ? 64 : 32)
                                  : kPaged          ? 16
