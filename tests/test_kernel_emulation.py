@@ -119,7 +119,7 @@ def assert_lse_close(lse, reference_lse, atol):
 def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q=40, len_kv=56,
              head_dim=64, bf16=False, causal=0, window=(-1, -1), softcap=0.0, mask=None,
              dropout_p=0.0, decode_tile=False, backward=True, deterministic=False, bwd_stages=1,
-             bwd_wide=False, scale=None, seed=0):
+             bwd_wide=False, kv_group_parts=1, scale=None, seed=0):
     dtype = torch.bfloat16 if bf16 else torch.float16
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads_q, len_q, head_dim, generator=g).to(dtype)
@@ -131,7 +131,8 @@ def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q
                 causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
                 mask=int(mask is not None), dropout_p=dropout_p, seed=1234 + seed, offset=64,
                 decode_tile=int(decode_tile), backward=int(backward),
-                deterministic=int(deterministic), bwd_stages=bwd_stages, bwd_wide=int(bwd_wide))
+                deterministic=int(deterministic), bwd_stages=bwd_stages, bwd_wide=int(bwd_wide),
+                kv_group_parts=kv_group_parts)
     tensors = dict(q=q, k=k, v=v, dout=dout)
     if mask is not None:
         tensors["mask"] = mask.float()
@@ -211,6 +212,24 @@ def test_dropout_with_and_without_mask(emulators, tmp_path, atom, head_dim):
 def test_gqa_deterministic_dq(emulators, tmp_path, atom):
     run_case(emulators, tmp_path, atom=atom, heads_q=4, heads_kv=1, len_q=80, len_kv=80,
              head_dim=96, causal=2, deterministic=True)
+
+
+# A GQA group split over dK/dV blocks (kern::KvGroupSplit, what the launcher does for grids
+# short of SMs): each part's heads, the fp32 slabs and their reduction, with padded heads whose
+# mask hides whole key tiles and bottom-right causal bands.
+@pytest.mark.parametrize("head_dim, parts, variant", [
+    (64, 2, "plain"), (64, 4, "mask"), (128, 4, "plain"), (128, 2, "dropout"),
+    (256, 2, "mask")])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_gqa_group_split(emulators, tmp_path, atom, head_dim, parts, variant):
+    length = 70 if head_dim == 256 else 140
+    mask = None
+    if variant == "mask":
+        mask = left_padding_mask(2, 8, length, [0, 75 if head_dim < 256 else 40])
+    run_case(emulators, tmp_path, atom=atom, batch=2, heads_q=8, heads_kv=2,
+             len_q=length if mask is not None else length - 9, len_kv=length, head_dim=head_dim, causal=2, mask=mask,
+             dropout_p=0.15 if variant == "dropout" else 0.0, kv_group_parts=parts,
+             deterministic=head_dim == 128)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

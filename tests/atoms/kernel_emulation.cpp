@@ -10,12 +10,13 @@
 //       -DEMULATED_HEAD_DIM=128 tests/atoms/kernel_emulation.cpp && ./a.out DIR
 // DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim bf16 scale causal
 // window_left window_right softcap mask dropout_p seed offset decode_tile backward deterministic
-// bwd_stages bwd_wide). Tensors, raw little-endian: q [B, Hq, Lq, d], k / v [B, Hkv, Lkv, d],
-// dout like q (fp16 or bf16); mask [B, Hq, Lq, Lkv] fp32 (additive; "mask 1"). Writes out (like
-// q), lse [B, Hq, Lq] (fp32) and with "backward 1" dq, dk, dv. Exits with 3 for a configuration
-// the launchers never run (e.g. two query buffers on the Volta atom). Shared memory is filled
-// with NaN before each block, so that a read of anything a block did not write shows up in its
-// results.
+// bwd_stages bwd_wide kv_group_parts: with kv_group_parts > 1 the dK/dV kernel runs that many parts
+// of each GQA group, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw little-endian: q [B,
+// Hq, Lq, d], k / v [B, Hkv, Lkv, d], dout like q (fp16 or bf16); mask [B, Hq, Lq, Lkv] fp32
+// (additive; "mask 1"). Writes out (like q), lse [B, Hq, Lq] (fp32) and with "backward 1" dq, dk,
+// dv. Exits with 3 for a configuration the launchers never run (e.g. two query buffers on the Volta
+// atom). Shared memory is filled with NaN before each block, so that a read of anything a block did
+// not write shows up in its results.
 //
 // "kvcache 1" runs flash_attn_with_kvcache's kernels instead (launch_kvcache.cu): k / v are the
 // caches, [cache_batch, cache_rows, Hkv, d] (paged: cache_batch pages of cache_rows rows, with
@@ -167,7 +168,7 @@ void run_forward(const ForwardParams& p, bool decode_tile) {
 // The backward after a forward: the D pre-pass, dK/dV and dQ in the configuration (query-side
 // buffers, tile size) backward_launch.cuh's `run` would launch.
 template <class Elem, int D, Variant V, int kStages, kern::BwdTileSize kSize>
-void run_backward(BackwardParams& bp) {
+void run_backward(BackwardParams& bp, int kv_group_parts) {
   const AttentionShape& s = bp.fwd.shape;
   using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
   using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
@@ -179,9 +180,20 @@ void run_backward(BackwardParams& bp) {
   }
   launch(dim3{grid(ceil_div(s.batch * s.heads_q * dq_ws.padded_len_q, 4)), 1, 1}, 128,
          kern::flash_bwd_dsum_kernel<Elem, kern::is_general(V)>, bp, dsum.data(), dq_ws);
-  launch(dim3{grid(ceil_div(s.len_kv, Cfg::kBlockN)), grid(s.batch * s.heads_kv), 1},
+  // The parts' fp32 slabs start as NaN: a row the reduction reads but no part wrote shows up.
+  const int64_t slab = s.batch * s.heads_kv * s.len_kv * s.head_dim;
+  const int64_t parts_floats = kv_group_parts > 1 ? kv_group_parts * slab : 0;
+  std::vector<float> kv_parts(2 * parts_floats, NAN);
+  const kern::KvGroupSplit split{kv_group_parts, kv_parts.data(), kv_parts.data() + parts_floats};
+  launch(dim3{grid(ceil_div(s.len_kv, Cfg::kBlockN)),
+              grid(s.batch * s.heads_kv * kv_group_parts), 1},
          Cfg::kThreads, kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>, bp,
-         static_cast<const float*>(dsum.data()), bp.deterministic ? nullptr : dq_accum.data());
+         static_cast<const float*>(dsum.data()), bp.deterministic ? nullptr : dq_accum.data(),
+         split);
+  if (kv_group_parts > 1) {
+    launch(dim3{grid(ceil_div(s.len_kv * s.head_dim / 2, 256)), grid(s.batch * s.heads_kv), 1},
+           256, kern::flash_bwd_dkdv_reduce_kernel<Elem>, bp, split);
+  }
   if (bp.deterministic) {
     launch(dim3{grid(ceil_div(s.len_q, Cfg::kBlockM)), grid(s.batch * s.heads_q), 1},
            Cfg::kThreads, kern::flash_bwd_dq_kernel<Atom, Elem, D, V, kSize>, bp,
@@ -241,21 +253,22 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
     bp.row_log2_norm = row_log2_norm.data();
   }
   bp.deterministic = c.at("deterministic") != 0;
+  const int parts = c.count("kv_group_parts") != 0 ? static_cast<int>(c.at("kv_group_parts")) : 1;
   using kern::BwdTileSize;
   if (c.at("bwd_wide") != 0) {
     if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
-      run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp);
+      run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp, parts);
     } else {
       unsupported("no wide backward tile for this atom, head dim and variant");
     }
   } else if (c.at("bwd_stages") == 2) {
     if constexpr (Atom::kAsyncCopy) {
-      run_backward<Elem, D, V, 2, BwdTileSize::kCompact>(bp);
+      run_backward<Elem, D, V, 2, BwdTileSize::kCompact>(bp, parts);
     } else {
       unsupported("two query-side buffers need cp.async");
     }
   } else {
-    run_backward<Elem, D, V, 1, BwdTileSize::kCompact>(bp);
+    run_backward<Elem, D, V, 1, BwdTileSize::kCompact>(bp, parts);
   }
   write_tensor(dir + "/dq", dq);
   write_tensor(dir + "/dk", dk);

@@ -14,6 +14,21 @@
 namespace flashv100 {
 namespace cuda {
 
+// Parts of a GQA group per (key tile, batch, kv head) block (kern::KvGroupSplit): the fewest,
+// dividing the group, that give the dK/dV grid kWaves waves of one block per SM, else the whole
+// group. Parts cost a round trip of fp32 dK/dV through global memory, whose bytes grow with the
+// grid and not with the work: grids that already fill the GPU keep one part.
+inline int kv_group_parts(int64_t group, int64_t blocks, int sm_count) {
+  constexpr int64_t kWaves = 4;
+  int parts = 1;
+  while (parts < group && blocks * parts < kWaves * sm_count) {
+    do {
+      ++parts;
+    } while (group % parts != 0);
+  }
+  return parts;
+}
+
 template <int kBucket>
 void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p,
                               float* dsum) {
@@ -52,10 +67,30 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       set_smem(dkdv, Cfg::kSmemBytes);
       debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
                    Cfg::kThreads, Cfg::kSmemBytes);
-      const dim3 kv_grid(ceil_div(s.len_kv, Cfg::kBlockN), s.batch * s.heads_kv);
+      const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
+      const int64_t kv_heads = s.batch * s.heads_kv;
+      kern::KvGroupSplit split{
+          kv_group_parts(s.heads_q / s.heads_kv, key_tiles * kv_heads, device_sm_count()),
+          nullptr, nullptr};
+      at::Tensor kv_parts;
+      const int64_t slab = kv_heads * s.len_kv * s.head_dim;
+      if (split.count > 1) {
+        kv_parts = at::empty({2 * split.count * slab}, f32);
+        split.dk = kv_parts.data_ptr<float>();
+        split.dv = split.dk + split.count * slab;
+      }
+      const dim3 kv_grid(key_tiles, kv_heads * split.count);
       dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-          p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>());
+          p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>(), split);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (split.count > 1) {
+        // A split grid has under kWaves waves of key tiles: far from int's range, which the
+        // reduction's thread index takes.
+        TORCH_INTERNAL_ASSERT(s.len_kv * s.head_dim / 2 <= INT32_MAX);
+        const dim3 reduce_grid(ceil_div(s.len_kv * s.head_dim / 2, 256), kv_heads);
+        kern::flash_bwd_dkdv_reduce_kernel<Elem><<<reduce_grid, 256, 0, stream>>>(p, split);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
 
       if (p.deterministic) {
         using DqCfg = kern::BwdConfig<Atom, D, V, 1, kSize>;  // one query tile a block

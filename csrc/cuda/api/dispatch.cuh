@@ -81,7 +81,13 @@ inline kern::Variant variant_of(const ForwardParams& p) {
 // What the launchers ask the runtime about a kernel on a device (or, kernel null, about the
 // device), once: decode steps launch every token and small attentions are host bound (a driver
 // call costs ~2 us of host time).
-enum class KernelFact { kSharedMemoryOptIn, kBlocksPerSm, kWaitsForPrimaryGrid, kDeviceSmemOptIn };
+enum class KernelFact {
+  kSharedMemoryOptIn,
+  kBlocksPerSm,
+  kWaitsForPrimaryGrid,
+  kDeviceSmemOptIn,
+  kDeviceSmCount
+};
 
 struct KnownKernelFacts {
   using Key = std::tuple<const void*, int, KernelFact>;  // kernel, device, fact
@@ -119,6 +125,16 @@ inline int device_smem_optin() {
   });
   const int cap = smem_limit_override();
   return cap > 0 && cap < device ? cap : device;
+}
+
+// Streaming multiprocessors of the current device.
+inline int device_sm_count() {
+  return kernel_fact(nullptr, KernelFact::kDeviceSmCount, [] {
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                          c10::cuda::current_device()));
+    return sms;
+  });
 }
 
 // Opts a kernel into > 48 KB of dynamic shared memory.

@@ -123,11 +123,8 @@ void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
     // cost more in block prologue and combine than they spread (B = 1, 32/8 heads, one step,
     // kernel_bench: 8 splits 14.2 us against 16 at 14.7 us at 1k keys, 16 splits 16.5 us
     // against 32 at 18.8 us at 2k).
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                          c10::cuda::current_device()));
     num_splits = num_splits_heuristic(sh.batch * sh.heads_q * ceil_div(sh.len_q, tile.block_m),
-                                      std::min<int64_t>(tile.blocks_per_sm, 2) * sms,
+                                      std::min<int64_t>(tile.blocks_per_sm, 2) * device_sm_count(),
                                       ceil_div(sh.len_kv, 2 * tile.block_n), kern::kMaxSplits);
   }
   p.split.num_splits = static_cast<int32_t>(std::max<int64_t>(1, num_splits));

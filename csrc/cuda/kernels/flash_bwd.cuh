@@ -1,13 +1,14 @@
 // FlashAttention-2 backward. P is recomputed from the saved log-sum-exp (the general variant: from
 // a per-row base and log2 normalizer, see recount_saturated_row), D = rowsum(dO * O) comes from a
-// preprocessing kernel, and the main kernel runs one block per (key tile, batch*kv-head):
-// it loops over the query heads of its GQA group and over query tiles, accumulating dK and dV in
-// registers (no races between blocks, so dK/dV are deterministic). dQ is either atomically added
-// into an fp32 workspace by that kernel (fast), or computed by a second kernel that loops over
-// key tiles per query tile (deterministic: fixed summation order). Packed (varlen) batches: grids
-// cover the longest sequence, tiles past a sequence's end exit; per-row vectors (D, P's base and
-// normalizer) and the dQ workspace are laid out [B, Hq, max_seqlen_q]. Key tiles loop only over the
-// query tiles of their causal/window band, query tiles only over the key tiles of theirs.
+// preprocessing kernel, and the main kernel runs one block per (key tile, batch*kv-head, part of
+// its GQA group: KvGroupSplit): it loops over those query heads and over query tiles, accumulating
+// dK and dV in registers (no races between blocks, so dK/dV are deterministic). dQ is either
+// atomically added into an fp32 workspace by that kernel (fast), or computed by a second kernel
+// that loops over key tiles per query tile (deterministic: fixed summation order). Packed (varlen)
+// batches: grids cover the longest sequence, tiles past a sequence's end exit; per-row vectors (D,
+// P's base and normalizer) and the dQ workspace are laid out [B, Hq, max_seqlen_q]. Key tiles loop
+// only over the query tiles of their causal/window band, query tiles only over the key tiles of
+// theirs.
 #pragma once
 
 #include "cuda/kernels/attention_common.cuh"
@@ -475,21 +476,36 @@ struct DqWorkspace {
   }
 };
 
-// dK, dV for key tile blockIdx.x of (batch, kv head) blockIdx.y; optionally dQ by fp32 atomics
-// into dq_accum (a DqWorkspace). kVariant: see configs.cuh; kQStages: query-side buffers, kSize:
-// the tile (BwdConfig). One block per SM is enough: the tiles are sized to the registers, and
-// without it ptxas may trade spills for a second block.
+// A GQA group's query heads split over `count` blocks per (key tile, batch, kv head), where one
+// block per group would leave SMs idle (few kv heads, short sequences) or a causal band's longest
+// blocks 'group' times longer than one head's. Part s runs heads [s, s + 1) * group / count of
+// the group and writes its dK (scaled) and dV in fp32 to slab s of `dk` / `dv`, each
+// [count, B * Hkv, len_kv, head_dim]; flash_bwd_dkdv_reduce_kernel sums the slabs in part order
+// (deterministic, as the unsplit kernel is). count 1: dK, dV written straight to p.dk, p.dv.
+struct KvGroupSplit {
+  int count;
+  float* dk;
+  float* dv;
+};
+
+// dK, dV for key tile blockIdx.x of (batch, kv head, part of its GQA group: KvGroupSplit)
+// blockIdx.y; optionally dQ by fp32 atomics into dq_accum (a DqWorkspace). kVariant: see
+// configs.cuh; kQStages: query-side buffers, kSize: the tile (BwdConfig). One block per SM is
+// enough: the tiles are sized to the registers, and without it ptxas may trade spills for a
+// second block.
 template <class Atom, class Elem, int kHeadDim, Variant kVariant, int kQStages = 1,
           BwdTileSize kSize = BwdTileSize::kCompact>
 __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>::kThreads, 1)
-    flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum) {
+    flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum,
+                          const KvGroupSplit split) {
   using Cfg = BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
   extern __shared__ uint4 smem_raw[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const ForwardParams& f = p.fwd;
   const int n0 = blockIdx.x * kBlockN;
-  const int64_t b = blockIdx.y / f.shape.heads_kv, hk = blockIdx.y % f.shape.heads_kv;
+  const int64_t bh = blockIdx.y / split.count, part = blockIdx.y % split.count;
+  const int64_t b = bh / f.shape.heads_kv, hk = bh % f.shape.heads_kv;
   const SequenceSpan seq = batch_span(f, b);
   if (n0 >= seq.len_kv) return;  // past this sequence's end (varlen)
   const Visibility vis(f, seq);
@@ -498,6 +514,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   const float scale = static_cast<float>(f.scale);
   const Dropout dropout(f.dropout);
   const int64_t group = f.shape.heads_q / f.shape.heads_kv;
+  const int64_t part_heads = group / split.count;
 
   load_key_side<Atom>(BwdSmem<Cfg>(smem_raw, 0), p, head_ptr(f.k, f.k_strides, b, hk, seq.k_start),
                       head_ptr(f.v, f.v_strides, b, hk, seq.k_start), vis.len_kv, n0, tid);
@@ -514,16 +531,18 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
 
   // Steps: the query tiles that can see this key tile (its causal/window band), head by head over
-  // the GQA group; heads whose padding mask drops every key of this tile are skipped whole. The
-  // walk advances by increments: a division per step cost more than its step's bookkeeping.
+  // the block's part of the GQA group; heads whose padding mask drops every key of this tile are
+  // skipped whole. The walk advances by increments: a division per step cost more than its step's
+  // bookkeeping.
   const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
   const int row_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
-  const int head_end = static_cast<int>((hk + 1) * group);
+  const int head_begin = static_cast<int>(hk * group + part * part_heads);
+  const int head_end = head_begin + static_cast<int>(part_heads);
   const auto active_head = [&](int h) {
     while (h < head_end && n0 >= HeadMask(f.mask, b, h, f.shape.heads_q).key_end) ++h;
     return h;
   };
-  int h = row_begin < row_end ? active_head(static_cast<int>(hk * group)) : head_end;
+  int h = row_begin < row_end ? active_head(head_begin) : head_end;
   int m0 = row_begin;
   int stage = 0;  // the query-side buffer of this step
   QueryRowVectors<Cfg> rows;
@@ -597,13 +616,57 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   cp_async_wait_all();  // K and V when no query tile sees this key tile
 
   const int rows_valid = vis.len_kv - n0 - kv_r0;
-  const int64_t k_row = batch_span(f, b).k_start + n0 + kv_r0;  // not kept over the loop
-  store_accum_global<Elem>(dk, head_ptr(p.dk, p.dk_strides, b, hk, k_row) + kv_c0,
-                           p.dk_strides.row, rows_valid, d - kv_c0, lane,
-                           [&](int, int) { return scale; });
-  store_accum_global<Elem>(dv, head_ptr(p.dv, p.dv_strides, b, hk, k_row) + kv_c0,
-                           p.dv_strides.row, rows_valid, d - kv_c0, lane,
-                           [](int, int) { return 1.0f; });
+  const auto dk_scale = [&](int, int) { return scale; };
+  const auto dv_scale = [](int, int) { return 1.0f; };
+  if (split.count == 1) {
+    const int64_t k_row = batch_span(f, b).k_start + n0 + kv_r0;  // not kept over the loop
+    store_accum_global<Elem>(dk, head_ptr(p.dk, p.dk_strides, b, hk, k_row) + kv_c0,
+                             p.dk_strides.row, rows_valid, d - kv_c0, lane, dk_scale);
+    store_accum_global<Elem>(dv, head_ptr(p.dv, p.dv_strides, b, hk, k_row) + kv_c0,
+                             p.dv_strides.row, rows_valid, d - kv_c0, lane, dv_scale);
+  } else {
+    const int64_t slab_row =
+        (part * f.shape.batch * f.shape.heads_kv + bh) * f.shape.len_kv + n0 + kv_r0;
+    store_accum_global_f32(dk, split.dk + slab_row * d + kv_c0, d, rows_valid, d - kv_c0, lane,
+                           dk_scale);
+    store_accum_global_f32(dv, split.dv + slab_row * d + kv_c0, d, rows_valid, d - kv_c0, lane,
+                           dv_scale);
+  }
+}
+
+// dK, dV of a split GQA group (KvGroupSplit): the parts' slabs summed in part order, converted to
+// Elem and written with dk's / dv's strides: two columns a thread; grid row blockIdx.y is a
+// (batch, kv head), its threads cover that head's rows.
+template <class Elem>
+__global__ void __launch_bounds__(256)
+    flash_bwd_dkdv_reduce_kernel(const BackwardParams p, const KvGroupSplit split) {
+  const ForwardParams& f = p.fwd;
+  const int64_t bh = blockIdx.y, b = bh / f.shape.heads_kv, hk = bh % f.shape.heads_kv;
+  const int d = static_cast<int>(f.shape.head_dim);
+  // 32-bit: a 64-bit division is a called subroutine (its saved registers spill on sm_80); the
+  // launcher keeps len_kv * head_dim / 2 within int.
+  const int pair = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const int row = pair / (d / 2);
+  const int c = (pair - row * (d / 2)) * 2;
+  const SequenceSpan seq = batch_span(f, b);
+  if (row >= seq.len_kv) return;  // past this sequence's end: never written by the parts
+  const int64_t slab = f.shape.batch * f.shape.heads_kv * f.shape.len_kv * d;
+  const float* dk_part = split.dk + (bh * f.shape.len_kv + row) * d + c;
+  const float* dv_part = split.dv + (bh * f.shape.len_kv + row) * d + c;
+  float2 dk = make_float2(0.0f, 0.0f), dv = make_float2(0.0f, 0.0f);
+  for (int s = 0; s < split.count; ++s) {
+    const float2 k = *reinterpret_cast<const float2*>(dk_part + s * slab);
+    const float2 v = *reinterpret_cast<const float2*>(dv_part + s * slab);
+    dk.x += k.x;
+    dk.y += k.y;
+    dv.x += v.x;
+    dv.y += v.y;
+  }
+  const int64_t k_row = seq.k_start + row;
+  *reinterpret_cast<uint32_t*>(head_ptr(p.dk, p.dk_strides, b, hk, k_row) + c) =
+      pack2<Elem>(dk.x, dk.y);
+  *reinterpret_cast<uint32_t*>(head_ptr(p.dv, p.dv_strides, b, hk, k_row) + c) =
+      pack2<Elem>(dv.x, dv.y);
 }
 
 // Deterministic dQ: query tile blockIdx.x of (batch, head) blockIdx.y, looping over key tiles.

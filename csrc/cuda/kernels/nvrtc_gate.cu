@@ -17,8 +17,8 @@ namespace kern {
 
 #define FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, G)                                      \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, G>(const ForwardParams);          \
-  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G>(const BackwardParams,     \
-                                                                   const float*, float*);    \
+  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G>(                          \
+      const BackwardParams, const float*, float*, const KvGroupSplit);        \
   template __global__ void flash_bwd_dq_kernel<Atom, Elem, D, G>(const BackwardParams,       \
                                                                  const float*);              \
   template __global__ void flash_bwd_dq_convert_kernel<Atom, Elem, D, G>(const BackwardParams, \
@@ -50,13 +50,13 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(D) FLASHV100_INSTANTIATE_DECODE(VoltaAtom, Fp16, D)
 // cp.async atoms' dK/dV kernels with two query-side buffers (configs.cuh, BwdConfig).
 #define FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(Atom, Elem, D, G)                                  \
-  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 2>(const BackwardParams,   \
-                                                                      const float*, float*);
+  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 2>(                       \
+      const BackwardParams, const float*, float*, const KvGroupSplit);
 // The wide backward tiles (configs.cuh, has_wide_bwd_tile).
 #define FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, D, V)                                   \
   template __global__ void                                                                      \
   flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide>(                        \
-      const BackwardParams, const float*, float*);                                              \
+      const BackwardParams, const float*, float*, const KvGroupSplit);          \
   template __global__ void                                                                      \
   flash_bwd_dq_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(const BackwardParams,        \
                                                                    const float*);               \
@@ -77,6 +77,8 @@ template __global__ void flash_bwd_dsum_kernel<Fp16, false>(const BackwardParams
                                                             const DqWorkspaceRows);
 template __global__ void flash_bwd_dsum_kernel<Fp16, true>(const BackwardParams, float*,
                                                             const DqWorkspaceRows);
+template __global__ void flash_bwd_dkdv_reduce_kernel<Fp16>(const BackwardParams,
+                                                            const KvGroupSplit);
 template __global__ void kvcache_append_kernel<Fp16>(const KVAppendParams);
 template __global__ void split_kv_combine_kernel<Fp16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_VOLTA_FP16)
@@ -90,6 +92,8 @@ template __global__ void flash_bwd_dsum_kernel<Bf16, false>(const BackwardParams
                                                             const DqWorkspaceRows);
 template __global__ void flash_bwd_dsum_kernel<Bf16, true>(const BackwardParams, float*,
                                                             const DqWorkspaceRows);
+template __global__ void flash_bwd_dkdv_reduce_kernel<Bf16>(const BackwardParams,
+                                                            const KvGroupSplit);
 template __global__ void kvcache_append_kernel<Bf16>(const KVAppendParams);
 template __global__ void split_kv_combine_kernel<Bf16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
