@@ -2,14 +2,16 @@
 """Side-by-side kernel timing of source trees (benchmarks/kernel_bench.cu), in one GPU call.
 
     python scripts/kernel_ab.py prepare main my-branch      # here: a tree per git revision
+    python scripts/kernel_ab.py build                       # optional, here: nvcc without a GPU
     python scripts/kernel_ab.py run "4 16 4096 128" "decode 8 32 8 65536 1 4"   # on the GPU
     python scripts/kernel_ab.py summarize RESULTS           # ratios against the first tree
 
 `prepare` writes each revision's csrc/ and benchmarks/kernel_bench.cu to build/kernel_ab/<name>/
-(build/ is ignored by git: carry build/kernel_ab to the GPU machine). `run` builds every tree's
-kernel_bench in parallel (nvcc, -arch from KERNEL_AB_ARCH, default sm_90), then runs each shape
-on every tree in turn, ROUNDS rounds (default 2), so that clock and thermal drift fall on all
-trees alike; it writes the raw output and the summary to $OUT/kernel_ab.txt (or
+(build/ is ignored by git: carry build/kernel_ab to the GPU machine). `build` compiles each tree's
+kernel_bench (nvcc, -arch from KERNEL_AB_ARCH, default sm_90; no GPU needed, so it can run before
+the GPU call with an nvcc no newer than the GPU machine's driver takes). `run` builds the trees
+that have no kernel_bench yet, in parallel, then runs each shape on every tree in turn, ROUNDS
+rounds (default 2), so that clock and thermal drift fall on all trees alike; it writes the raw output and the summary to $OUT/kernel_ab.txt (or
 build/kernel_ab/results.txt). The summary gives each timing's median over the rounds and its
 ratio to the first tree (< 1: faster than the first).
 """
@@ -56,6 +58,8 @@ def build(names: List[str], arch: str) -> None:
     procs = []
     for name in names:
         tree = TREES / name
+        if (tree / "kernel_bench").exists():  # built since `prepare` (nvcc of the same arch)
+            continue
         cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "--expt-relaxed-constexpr",
                "-Icsrc", "-o", "kernel_bench", "benchmarks/kernel_bench.cu"]
         with open(tree / "build.log", "w") as log:  # the child keeps its own descriptor
@@ -129,6 +133,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="a source tree per git revision")
     p.add_argument("revs", nargs="+")
+    b = sub.add_parser("build", help="build every prepared tree's kernel_bench (no GPU needed)")
     r = sub.add_parser("run", help="build and time every prepared tree (GPU)")
     r.add_argument("shapes", nargs="+", help='kernel_bench arguments, e.g. "4 16 4096 128"')
     r.add_argument("--rounds", type=int, default=int(os.environ.get("ROUNDS", 2)))
@@ -137,6 +142,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.revs)
+    elif args.cmd == "build":
+        build((TREES / "order").read_text().split(), os.environ.get("KERNEL_AB_ARCH", "sm_90"))
     elif args.cmd == "run":
         raw = run(args.shapes, args.rounds, os.environ.get("KERNEL_AB_ARCH", "sm_90"))
         report = raw + "\n" + summarize(raw)
