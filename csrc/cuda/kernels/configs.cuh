@@ -97,6 +97,7 @@ struct FwdTile {
   // the Q loads were 18% (head dim 128) and 9% (64) of the plain forward's shared-memory cycles
   // (scripts/sass_loops.py, sm_70).
   static constexpr bool kQInRegisters = Atom::kNativeArch < 800 && kHeadDim <= 128;
+  static constexpr bool kSwizzledQKV = false;
 };
 
 // The Volta atom's decode tile at head dim 256 spilled (its B fragments, and V then staged
@@ -141,6 +142,11 @@ struct FwdTile<Atom, kHeadDim, kVariant, FwdShape::kDecode, kPaged> {
   static constexpr int kBlockN = kKeyWarps * (kHeadDim <= 64 ? 32 : 16);
   static constexpr int kKVStages = Atom::kAsyncCopy ? 2 : 1;
   static constexpr bool kQInRegisters = false;
+  // Q, K and V in swizzled rows (warp_tile.cuh, smem_offset) where the atom reads them by
+  // ldmatrix, at head dims of 8 or more 16-byte chunks: a decode step is bound by the L2 requests
+  // of its copies, which padded rows split (decode tile on the H100: 44 -> 17 M L2 requests and
+  // 101 -> 67 M sectors for 2.15 GB of K/V).
+  static constexpr bool kSwizzledQKV = Atom::kLdmatrix && kHeadDim >= 64;
 };
 
 template <class Atom, int kHeadDim_, Variant kVariant, FwdShape kShape = FwdShape::kPrefill,
@@ -155,7 +161,8 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape, kPaged> {
   static constexpr int kWarpKeys = T::kBlockN / T::kKeyWarps;
   static_assert(T::kKeyWarps == 1 || T::kKeyWarps == T::kWarps,
                 "a key-split tile has one row tile (its merge, flash_fwd.cuh)");
-  static constexpr int kLdQK = kHeadDim + kSmemPad;     // Q, K, V: [rows][head dim]
+  static constexpr bool kSwizzledQKV = T::kSwizzledQKV;
+  static constexpr int kLdQK = kHeadDim + (kSwizzledQKV ? 0 : kSmemPad);  // Q, K, V: [rows][dim]
   static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
   static_assert(T::kKVStages == 1 || (T::kKVStages == 2 && Atom::kAsyncCopy && Atom::kAccumIsA),
                 "two K/V buffers need cp.async (and P in registers: one barrier a tile)");

@@ -44,6 +44,9 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kWarpRows = Cfg::kWarpRows, kWarpKeys = Cfg::kWarpKeys;
   constexpr int kKeyWarps = Cfg::kKeyWarps, kStages = Cfg::kKVStages;
+  constexpr bool kSwizzled = Cfg::kSwizzledQKV;
+  using QKOperand = SmemOperand<true, kSwizzled>;  // Q and K, rows of the head dim
+  using VOperand = SmemOperand<false, kSwizzled>;
   using SAcc = WarpAccum<Atom, kWarpRows, kWarpKeys>;
   using OAcc = WarpAccum<Atom, kWarpRows, kHeadDim>;
   constexpr int kFragM = SAcc::kFragM, kSlots = Atom::kRowSlots;
@@ -103,15 +106,15 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
     if constexpr (kPaged) {
       const PagedRows rows = paged_rows(head, st, n0);
       if (const uint16_t* base = rows.single_page(kBlockN)) {
-        stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, base, st.row,
-                                                      vis.len_kv - n0, d, tid);
+        stage_tile<Atom, kBlockN, kHeadDim, kThreads, kSwizzled>(dst, Cfg::kLdQK, base, st.row,
+                                                                 vis.len_kv - n0, d, tid);
       } else {
-        stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, rows, head,
-                                                           vis.len_kv - n0, d, tid);
+        stage_tile_rows<Atom, kBlockN, kHeadDim, kThreads, kSwizzled>(
+            dst, Cfg::kLdQK, rows, head, vis.len_kv - n0, d, tid);
       }
     } else {
-      stage_tile<Atom, kBlockN, kHeadDim, kThreads>(dst, Cfg::kLdQK, head + n0 * st.row, st.row,
-                                                    vis.len_kv - n0, d, tid);
+      stage_tile<Atom, kBlockN, kHeadDim, kThreads, kSwizzled>(
+          dst, Cfg::kLdQK, head + n0 * st.row, st.row, vis.len_kv - n0, d, tid);
     }
   };
   // Key tile n0 into K/V buffer `buf` (kKVStages of them).
@@ -130,9 +133,9 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
       __syncthreads();  // written before this block's loads read them back
     }
   }
-  stage_tile<Atom, kBlockM, kHeadDim, kThreads>(sQ, Cfg::kLdQK,
-                                                head_ptr(p.q, p.q_strides, b, h, seq.q_start + m0),
-                                                p.q_strides.row, vis.len_q - m0, d, tid);
+  stage_tile<Atom, kBlockM, kHeadDim, kThreads, kSwizzled>(
+      sQ, Cfg::kLdQK, head_ptr(p.q, p.q_strides, b, h, seq.q_start + m0), p.q_strides.row,
+      vis.len_q - m0, d, tid);
   stage_k(key_begin, 0);
   if constexpr (kStages == 2) {
     if (key_begin < key_end) stage_v(key_begin, 0);
@@ -155,10 +158,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   // Q as the A operand of S: from shared memory, or (configs.cuh, kQInRegisters) loaded into
   // registers once, after a barrier (the Volta atom's staging stores are synchronous).
   const auto q_op = [&] {
-    const KMajor q_smem{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
+    const QKOperand q_smem{sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK};
     if constexpr (Cfg::kQInRegisters) {
       static_assert(!Atom::kAsyncCopy, "Q in registers is read after synchronous stores");
-      RegisterOperand<Atom, kWarpRows, kHeadDim, KMajor> q_regs;
+      RegisterOperand<Atom, kWarpRows, kHeadDim, QKOperand> q_regs;
       __syncthreads();
       q_regs.load(q_smem, lane);
       return q_regs;
@@ -169,7 +172,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   const KMajor p_op{sP + warp_row0 * Cfg::kLdP + warp_key0, Cfg::kLdP};
   // B operand of P.V over the warp's keys: V(j, e) addressed as (n = e, k = j).
   const auto v_op = [&](int buf) {
-    return MMajor{sV + buf * Cfg::kKVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK};
+    return VOperand{sV + buf * Cfg::kKVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK};
   };
 
   // One buffer: V of a tile loads while S is computed, K of the next one during P.V (two
@@ -190,8 +193,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
     s.zero();
     const int nw0 = n0 + warp_key0;  // the warp's first key
     warp_gemm<Atom, Elem, kHeadDim>(
-        s, q_op, KMajor{sK + buf * Cfg::kKVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK}, k_extent,
-        kWarpKeys, lane);
+        s, q_op, QKOperand{sK + buf * Cfg::kKVElems + warp_key0 * Cfg::kLdQK, Cfg::kLdQK},
+        k_extent, kWarpKeys, lane);
 
     // Scores in the units the exponent takes them: raw for the plain variant (the scale is
     // folded into one FMA with the running max), scaled, softcapped, ALiBi- and mask-biased

@@ -58,18 +58,18 @@ __device__ __forceinline__ void for_each_strided_vector(const uint16_t* gmem, in
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global 16-bit matrix into a kRows x kCols
 // shared tile (row stride ld), zero-filling the rest so that padding contributes nothing to any
 // product. Row r starts at row_ptr(r), called for valid rows only (paged caches: an index read).
-template <int kRows, int kCols, int kThreads, class RowPtr>
+template <int kRows, int kCols, int kThreads, bool kSwizzled, class RowPtr>
 __device__ __forceinline__ void load_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                int rows_valid, int cols_valid, int tid) {
   for_each_tile_vector<kRows, kCols, kThreads>(tid, [&](int r, int c) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (r < rows_valid && c < cols_valid)
       v = __ldg(reinterpret_cast<const uint4*>(row_ptr(r) + c));
-    *reinterpret_cast<uint4*>(smem + r * ld + c) = v;
+    *reinterpret_cast<uint4*>(smem + smem_offset<kSwizzled>(r, c, ld)) = v;
   });
 }
 
-template <int kRows, int kCols, int kThreads>
+template <int kRows, int kCols, int kThreads, bool kSwizzled>
 __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                           int64_t row_stride, int rows_valid, int cols_valid,
                                           int tid) {
@@ -77,7 +77,7 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
       gmem, row_stride, tid, [&](int r, int c, const uint16_t* src) {
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (r < rows_valid && c < cols_valid) v = __ldg(reinterpret_cast<const uint4*>(src));
-        *reinterpret_cast<uint4*>(smem + r * ld + c) = v;
+        *reinterpret_cast<uint4*>(smem + smem_offset<kSwizzled>(r, c, ld)) = v;
       });
 }
 
@@ -110,7 +110,7 @@ __device__ __forceinline__ void cp_async_commit() {
 // range zero-filled by the copy itself). row_ptr reads memory (a paged cache's block table), so
 // every row address of the thread is resolved before the first copy: the reads are in flight
 // together instead of one read's latency before each copy.
-template <int kRows, int kCols, int kThreads, class RowPtr>
+template <int kRows, int kCols, int kThreads, bool kSwizzled, class RowPtr>
 __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                      const uint16_t* fallback, int rows_valid,
                                                      int cols_valid, int tid) {
@@ -119,18 +119,19 @@ __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, Row
     src[it] = r < rows_valid && c < cols_valid ? row_ptr(r) + c : nullptr;
   });
   for_each_tile_vector_indexed<kRows, kCols, kThreads>(tid, [&](int it, int r, int c) {
-    cp_async_16(smem + r * ld + c, src[it], fallback, src[it] != nullptr);
+    cp_async_16(smem + smem_offset<kSwizzled>(r, c, ld), src[it], fallback, src[it] != nullptr);
   });
   cp_async_commit();
 }
 
-template <int kRows, int kCols, int kThreads>
+template <int kRows, int kCols, int kThreads, bool kSwizzled>
 __device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const uint16_t* gmem,
                                                 int64_t row_stride, int rows_valid,
                                                 int cols_valid, int tid) {
   for_each_strided_vector<kRows, kCols, kThreads>(
       gmem, row_stride, tid, [&](int r, int c, const uint16_t* src) {
-        cp_async_16(smem + r * ld + c, src, gmem, r < rows_valid && c < cols_valid);
+        cp_async_16(smem + smem_offset<kSwizzled>(r, c, ld), src, gmem,
+                    r < rows_valid && c < cols_valid);
       });
   cp_async_commit();
 }
@@ -142,29 +143,31 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 // A tile for the atom's kernels, row r at row_ptr(r): by cp.async where the GPU has it (landing
-// after cp_async_wait_all), else by plain loads.
-template <class Atom, int kRows, int kCols, int kThreads, class RowPtr>
+// after cp_async_wait_all), else by plain loads. kSwizzled: rows as smem_offset swizzles them.
+template <class Atom, int kRows, int kCols, int kThreads, bool kSwizzled = false, class RowPtr>
 __device__ __forceinline__ void stage_tile_rows(uint16_t* smem, int ld, RowPtr&& row_ptr,
                                                 const uint16_t* fallback, int rows_valid,
                                                 int cols_valid, int tid) {
   if constexpr (Atom::kAsyncCopy) {
-    load_tile_async_rows<kRows, kCols, kThreads>(smem, ld, row_ptr, fallback, rows_valid,
-                                                 cols_valid, tid);
+    load_tile_async_rows<kRows, kCols, kThreads, kSwizzled>(smem, ld, row_ptr, fallback,
+                                                            rows_valid, cols_valid, tid);
   } else {
-    load_tile_rows<kRows, kCols, kThreads>(smem, ld, row_ptr, rows_valid, cols_valid, tid);
+    load_tile_rows<kRows, kCols, kThreads, kSwizzled>(smem, ld, row_ptr, rows_valid, cols_valid,
+                                                      tid);
   }
 }
 
 // stage_tile_rows of a tile with rows row_stride apart.
-template <class Atom, int kRows, int kCols, int kThreads>
+template <class Atom, int kRows, int kCols, int kThreads, bool kSwizzled = false>
 __device__ __forceinline__ void stage_tile(uint16_t* smem, int ld, const uint16_t* gmem,
                                            int64_t row_stride, int rows_valid, int cols_valid,
                                            int tid) {
   if constexpr (Atom::kAsyncCopy) {
-    load_tile_async<kRows, kCols, kThreads>(smem, ld, gmem, row_stride, rows_valid, cols_valid,
-                                            tid);
+    load_tile_async<kRows, kCols, kThreads, kSwizzled>(smem, ld, gmem, row_stride, rows_valid,
+                                                       cols_valid, tid);
   } else {
-    load_tile<kRows, kCols, kThreads>(smem, ld, gmem, row_stride, rows_valid, cols_valid, tid);
+    load_tile<kRows, kCols, kThreads, kSwizzled>(smem, ld, gmem, row_stride, rows_valid,
+                                                 cols_valid, tid);
   }
 }
 
