@@ -65,7 +65,7 @@ __device__ __forceinline__ void load_tile_rows(uint16_t* smem, int ld, RowPtr&& 
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (r < rows_valid && c < cols_valid)
       v = __ldg(reinterpret_cast<const uint4*>(row_ptr(r) + c));
-    *reinterpret_cast<uint4*>(smem + smem_offset<kSwizzled>(r, c, ld)) = v;
+    *reinterpret_cast<uint4*>(smem_at<kSwizzled>(smem, r, c, ld)) = v;
   });
 }
 
@@ -77,7 +77,7 @@ __device__ __forceinline__ void load_tile(uint16_t* smem, int ld, const uint16_t
       gmem, row_stride, tid, [&](int r, int c, const uint16_t* src) {
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (r < rows_valid && c < cols_valid) v = __ldg(reinterpret_cast<const uint4*>(src));
-        *reinterpret_cast<uint4*>(smem + smem_offset<kSwizzled>(r, c, ld)) = v;
+        *reinterpret_cast<uint4*>(smem_at<kSwizzled>(smem, r, c, ld)) = v;
       });
 }
 
@@ -119,7 +119,7 @@ __device__ __forceinline__ void load_tile_async_rows(uint16_t* smem, int ld, Row
     src[it] = r < rows_valid && c < cols_valid ? row_ptr(r) + c : nullptr;
   });
   for_each_tile_vector_indexed<kRows, kCols, kThreads>(tid, [&](int it, int r, int c) {
-    cp_async_16(smem + smem_offset<kSwizzled>(r, c, ld), src[it], fallback, src[it] != nullptr);
+    cp_async_16(smem_at<kSwizzled>(smem, r, c, ld), src[it], fallback, src[it] != nullptr);
   });
   cp_async_commit();
 }
@@ -130,7 +130,7 @@ __device__ __forceinline__ void load_tile_async(uint16_t* smem, int ld, const ui
                                                 int cols_valid, int tid) {
   for_each_strided_vector<kRows, kCols, kThreads>(
       gmem, row_stride, tid, [&](int r, int c, const uint16_t* src) {
-        cp_async_16(smem + smem_offset<kSwizzled>(r, c, ld), src, gmem,
+        cp_async_16(smem_at<kSwizzled>(smem, r, c, ld), src, gmem,
                     r < rows_valid && c < cols_valid);
       });
   cp_async_commit();

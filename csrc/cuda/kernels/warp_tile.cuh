@@ -18,6 +18,14 @@ template <bool kSwizzled>
 __device__ __forceinline__ int smem_offset(int r, int c, int ld) {
   return kSwizzled ? r * ld + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7)) : r * ld + c;
 }
+// The address of element (r, c) of a shared tile. Padded rows keep the pointer steps of
+// `tile + r * ld + c`: as tile + smem_offset() the sm_80 head-dim-64 wide dK/dV kernel spilled
+// 4 bytes (scripts/nvrtc_gate.py).
+template <bool kSwizzled>
+__device__ __forceinline__ uint16_t* smem_at(uint16_t* tile, int r, int c, int ld) {
+  if constexpr (kSwizzled) return tile + smem_offset<true>(r, c, ld);
+  return tile + r * ld + c;
+}
 
 // A 16-bit matrix in shared memory, row-major with leading dimension `ld` (elements), read as a
 // GEMM operand X(m, k). kKContiguous: X(m, k) = base[m * ld + k]; otherwise the operand is the
