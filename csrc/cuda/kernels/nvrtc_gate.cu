@@ -18,19 +18,19 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, G)                                      \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, G>(const ForwardParams);          \
   template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G>(                          \
-      const BackwardParams, const float*, float*, const KvGroupSplit);        \
+      const BackwardParams, const float*, float*, const KvGroupSplit);                       \
   template __global__ void flash_bwd_dq_kernel<Atom, Elem, D, G>(const BackwardParams,       \
                                                                  const float*);              \
   template __global__ void flash_bwd_dq_convert_kernel<Atom, Elem, D, G>(const BackwardParams, \
                                                                          const float*);
 // Paged KV caches: the variants without mask and dropout (forward_launch.cuh).
-#define FLASHV100_INSTANTIATE_PAGED(Atom, Elem, D)                                              \
+#define FLASHV100_INSTANTIATE_PAGED(Atom, Elem, D)                                             \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, Variant::kPlain, true>(             \
       const ForwardParams);                                                                    \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, Variant::kMasked, true>(            \
       const ForwardParams);
 // The decode tile: the variants without dropout, contiguous and paged (forward_launch.cuh).
-#define FLASHV100_INSTANTIATE_DECODE_VARIANT(Atom, Elem, D, G)                                  \
+#define FLASHV100_INSTANTIATE_DECODE_VARIANT(Atom, Elem, D, G)                                 \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, G, false, FwdShape::kDecode>(       \
       const ForwardParams);                                                                    \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, G, true, FwdShape::kDecode>(        \
@@ -50,18 +50,18 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_VOLTA_FP16_DECODE(D) FLASHV100_INSTANTIATE_DECODE(VoltaAtom, Fp16, D)
 // cp.async atoms' dK/dV kernels with two query-side buffers (configs.cuh, BwdConfig).
 #define FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(Atom, Elem, D, G)                                  \
-  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 2>(                       \
+  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 2>(                           \
       const BackwardParams, const float*, float*, const KvGroupSplit);
 // The wide backward tiles (configs.cuh, has_wide_bwd_tile).
-#define FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, D, V)                                   \
+#define FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, D, V)                                 \
   template __global__ void                                                                      \
-  flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide>(                        \
-      const BackwardParams, const float*, float*, const KvGroupSplit);          \
+  flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide>(                         \
+      const BackwardParams, const float*, float*, const KvGroupSplit);                          \
   template __global__ void                                                                      \
-  flash_bwd_dq_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(const BackwardParams,        \
+  flash_bwd_dq_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(const BackwardParams,         \
                                                                    const float*);               \
   template __global__ void                                                                      \
-  flash_bwd_dq_convert_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(                     \
+  flash_bwd_dq_convert_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(                      \
       const BackwardParams, const float*);
 #define FLASHV100_INSTANTIATE_AMPERE(Elem, D)                                                   \
   FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Elem, D)                                          \
