@@ -161,8 +161,8 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape, kPaged> {
   static constexpr int kWarpKeys = T::kBlockN / T::kKeyWarps;
   static_assert(T::kKeyWarps == 1 || T::kKeyWarps == T::kWarps,
                 "a key-split tile has one row tile (its merge, flash_fwd.cuh)");
-  static constexpr bool kSwizzledQKV = T::kSwizzledQKV;
-  static constexpr int kLdQK = kHeadDim + (kSwizzledQKV ? 0 : kSmemPad);  // Q, K, V: [rows][dim]
+  static constexpr int kLdQK = kHeadDim + (T::kSwizzledQKV ? 0 : kSmemPad);  // Q, K, V: [rows][dim]
+  static_assert(!T::kSwizzledQKV || kHeadDim % 64 == 0, "swizzled rows: 8-chunk multiples");
   static constexpr int kLdP = T::kBlockN + kSmemPad;    // P: [query rows][keys]
   static_assert(T::kKVStages == 1 || (T::kKVStages == 2 && Atom::kAsyncCopy && Atom::kAccumIsA),
                 "two K/V buffers need cp.async (and P in registers: one barrier a tile)");
