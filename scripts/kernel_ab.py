@@ -9,11 +9,11 @@
 `prepare` writes each revision's csrc/ and benchmarks/kernel_bench.cu to build/kernel_ab/<name>/
 (build/ is ignored by git: carry build/kernel_ab to the GPU machine). `build` compiles each tree's
 kernel_bench (nvcc, -arch from KERNEL_AB_ARCH, default sm_90; no GPU needed, so it can run before
-the GPU call with an nvcc no newer than the GPU machine's driver takes). `run` builds the trees
-that have no kernel_bench yet, in parallel, then runs each shape on every tree in turn, ROUNDS
-rounds (default 2), so that clock and thermal drift fall on all trees alike; it writes the raw output and the summary to $OUT/kernel_ab.txt (or
-build/kernel_ab/results.txt). The summary gives each timing's median over the rounds and its
-ratio to the first tree (< 1: faster than the first).
+the GPU call with an nvcc no newer than the GPU machine's driver takes). `run` builds the trees that
+have no kernel_bench yet, in parallel, then runs each shape on every tree in turn, ROUNDS rounds
+(default 2), so that clock and thermal drift fall on all trees alike; it writes the raw output and
+the summary to $OUT/kernel_ab.txt (or build/kernel_ab/results.txt). The summary gives each timing's
+median over the rounds and its ratio to the first tree (< 1: faster than the first).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def build(names: List[str], arch: str) -> None:
     procs = []
     for name in names:
         tree = TREES / name
-        if (tree / "kernel_bench").exists():  # built since `prepare` (nvcc of the same arch)
+        if (tree / "kernel_bench").exists():  # `prepare` clears a tree: built from its sources
             continue
         cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "--expt-relaxed-constexpr",
                "-Icsrc", "-o", "kernel_bench", "benchmarks/kernel_bench.cu"]
@@ -70,8 +70,12 @@ def build(names: List[str], arch: str) -> None:
         sys.exit(f"kernel_ab: build failed for {', '.join(failed)} (build/kernel_ab/*/build.log)")
 
 
+def prepared_trees() -> List[str]:
+    return (TREES / "order").read_text().split()
+
+
 def run(shapes: List[str], rounds: int, arch: str) -> str:
-    names = (TREES / "order").read_text().split()
+    names = prepared_trees()
     build(names, arch)
     out = []
     for r in range(rounds):
@@ -140,12 +144,13 @@ def main(argv=None) -> int:
     s = sub.add_parser("summarize", help="medians and ratios of a results file")
     s.add_argument("results")
     args = parser.parse_args(argv)
+    arch = os.environ.get("KERNEL_AB_ARCH", "sm_90")
     if args.cmd == "prepare":
         prepare(args.revs)
     elif args.cmd == "build":
-        build((TREES / "order").read_text().split(), os.environ.get("KERNEL_AB_ARCH", "sm_90"))
+        build(prepared_trees(), arch)
     elif args.cmd == "run":
-        raw = run(args.shapes, args.rounds, os.environ.get("KERNEL_AB_ARCH", "sm_90"))
+        raw = run(args.shapes, args.rounds, arch)
         report = raw + "\n" + summarize(raw)
         dest = Path(os.environ["OUT"]) if os.environ.get("OUT") else TREES
         (dest / "kernel_ab.txt").write_text(report)
