@@ -179,7 +179,7 @@ void run(int batch, int heads, int len) {
                                     Cfg::kSmemBytes));
     return median_ms([&] {
       dsum<<<dsum_blocks, 128>>>(bp, row_vectors, dq_ws);  // also zeroes the dQ workspace
-      dkdv<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(bp, row_vectors, dq_accum,
+      dkdv<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(bp, row_vectors, DqOutput{dq_accum, false},
                                                       KvGroupSplit{1, nullptr, nullptr});
     });
   };

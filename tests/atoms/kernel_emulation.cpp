@@ -173,10 +173,13 @@ void run_backward(BackwardParams& bp, int kv_group_parts) {
   using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
   using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
   std::vector<float> dsum(s.batch * s.heads_q * s.len_q, NAN), dq_accum;
+  const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
+  kern::DqOutput dq_out{nullptr, key_tiles == 1};  // dQ written by the dK/dV kernel
   kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
-  if (!bp.deterministic) {
+  if (!bp.deterministic && !dq_out.direct) {
     dq_accum.assign(DqWorkspace::floats(s.batch * s.heads_q, s.len_q), NAN);  // zeroed by D's pass
-    dq_ws = DqWorkspace::rows(dq_accum.data(), s.len_q);
+    dq_out.accum = dq_accum.data();
+    dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
   }
   launch(dim3{grid(ceil_div(s.batch * s.heads_q * dq_ws.padded_len_q, 4)), 1, 1}, 128,
          kern::flash_bwd_dsum_kernel<Elem, kern::is_general(V)>, bp, dsum.data(), dq_ws);
@@ -185,15 +188,14 @@ void run_backward(BackwardParams& bp, int kv_group_parts) {
   const int64_t parts_floats = kv_group_parts > 1 ? kv_group_parts * slab : 0;
   std::vector<float> kv_parts(2 * parts_floats, NAN);
   const kern::KvGroupSplit split{kv_group_parts, kv_parts.data(), kv_parts.data() + parts_floats};
-  launch(dim3{grid(ceil_div(s.len_kv, Cfg::kBlockN)),
-              grid(s.batch * s.heads_kv * kv_group_parts), 1},
-         Cfg::kThreads, kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>, bp,
-         static_cast<const float*>(dsum.data()), bp.deterministic ? nullptr : dq_accum.data(),
-         split);
+  launch(dim3{grid(key_tiles), grid(s.batch * s.heads_kv * kv_group_parts), 1}, Cfg::kThreads,
+         kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>, bp,
+         static_cast<const float*>(dsum.data()), dq_out, split);
   if (kv_group_parts > 1) {
     launch(dim3{grid(ceil_div(s.len_kv * s.head_dim / 2, 256)), grid(s.batch * s.heads_kv), 1},
            256, kern::flash_bwd_dkdv_reduce_kernel<Elem>, bp, split);
   }
+  if (dq_out.direct) return;
   if (bp.deterministic) {
     launch(dim3{grid(ceil_div(s.len_q, Cfg::kBlockM)), grid(s.batch * s.heads_q), 1},
            Cfg::kThreads, kern::flash_bwd_dq_kernel<Atom, Elem, D, V, kSize>, bp,

@@ -1,7 +1,8 @@
-// The backward launches of one head-dim bucket (run_fused_backward's second half): dK/dV (+ dQ by
-// atomics into a workspace, converted afterwards) or dK/dV and the deterministic dQ kernel, after
-// the D pre-pass. Included by the launch units that CMakeLists.txt generates, one per bucket
-// (FLASHV100_INSTANTIATE_BACKWARD below), so that the backward kernels compile in parallel.
+// The backward launches of one head-dim bucket (run_fused_backward's second half), after the D
+// pre-pass: dK/dV (+ dQ by atomics into a workspace, converted afterwards), dK/dV and the
+// deterministic dQ kernel, or, with one key tile, dK/dV and dQ in one kernel. Included by the
+// launch units that CMakeLists.txt generates, one per bucket (FLASHV100_INSTANTIATE_BACKWARD
+// below), so that the backward kernels compile in parallel.
 #pragma once
 
 #include <c10/cuda/CUDAFunctions.h>
@@ -51,12 +52,17 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       constexpr kern::BwdTileSize kSize = decltype(size)::value;
       using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
       using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
-      // The atomic path's dQ workspace, zeroed by the D pre-pass (one warp per padded row).
+      const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
+      // dQ (kern::DqOutput): written by the dK/dV kernel where one key tile holds every key, else
+      // by atomics into a workspace that the D pre-pass zeroes (one warp per padded row), or by
+      // the deterministic dQ kernel.
+      kern::DqOutput dq_out{nullptr, key_tiles == 1};
       at::Tensor dq_accum;
       kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
-      if (!p.deterministic) {
+      if (!p.deterministic && !dq_out.direct) {
         dq_accum = at::empty({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
-        dq_ws = DqWorkspace::rows(dq_accum.data_ptr<float>(), s.len_q);
+        dq_out.accum = dq_accum.data_ptr<float>();
+        dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
       }
       const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
       kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(p, dsum,
@@ -67,7 +73,6 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       set_smem(dkdv, Cfg::kSmemBytes);
       debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
                    Cfg::kThreads, Cfg::kSmemBytes);
-      const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
       const int64_t kv_heads = s.batch * s.heads_kv;
       kern::KvGroupSplit split{
           kv_group_parts(s.heads_q / s.heads_kv, key_tiles * kv_heads, device_sm_count()),
@@ -80,8 +85,7 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
         split.dv = split.dk + split.count * slab;
       }
       const dim3 kv_grid(key_tiles, kv_heads * split.count);
-      dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-          p, dsum, p.deterministic ? nullptr : dq_accum.data_ptr<float>(), split);
+      dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum, dq_out, split);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (split.count > 1) {
         // A split grid has under kWaves waves of key tiles: far from int's range, which the
@@ -92,6 +96,7 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
 
+      if (dq_out.direct) return;
       if (p.deterministic) {
         using DqCfg = kern::BwdConfig<Atom, D, V, 1, kSize>;  // one query tile a block
         const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, V, kSize>;
@@ -101,7 +106,7 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       } else {
         const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
         kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V, kSize>
-            <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_accum.data_ptr<float>());
+            <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_out.accum);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };

@@ -488,15 +488,25 @@ struct KvGroupSplit {
   float* dv;
 };
 
+// Where the dK/dV kernel leaves dQ: added by fp32 atomics into a DqWorkspace (`accum`); written
+// to p.dq as Elem (`direct`) where the grid has one key tile, so that one block computes a query
+// tile's whole dQ (no workspace, and no convert or dQ kernel after it: two launches fewer at the
+// short sequences where launches are most of the time); or not at all (the deterministic dQ kernel
+// computes it).
+struct DqOutput {
+  float* accum;
+  bool direct;
+};
+
 // dK, dV for key tile blockIdx.x of (batch, kv head, part of its GQA group: KvGroupSplit)
-// blockIdx.y; optionally dQ by fp32 atomics into dq_accum (a DqWorkspace). kVariant: see
+// blockIdx.y; and dQ as DqOutput says. kVariant: see
 // configs.cuh; kQStages: query-side buffers, kSize: the tile (BwdConfig). One block per SM is
 // enough: the tiles are sized to the registers, and without it ptxas may trade spills for a
 // second block.
 template <class Atom, class Elem, int kHeadDim, Variant kVariant, int kQStages = 1,
           BwdTileSize kSize = BwdTileSize::kCompact>
 __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>::kThreads, 1)
-    flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, float* dq_accum,
+    flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, const DqOutput dq_out,
                           const KvGroupSplit split) {
   using Cfg = BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
@@ -507,14 +517,28 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   const int64_t bh = blockIdx.y / split.count, part = blockIdx.y % split.count;
   const int64_t b = bh / f.shape.heads_kv, hk = bh % f.shape.heads_kv;
   const SequenceSpan seq = batch_span(f, b);
-  if (n0 >= seq.len_kv) return;  // past this sequence's end (varlen)
-  const Visibility vis(f, seq);
   const int d = static_cast<int>(f.shape.head_dim);
+  const int64_t group = f.shape.heads_q / f.shape.heads_kv;
+  const int64_t part_heads = group / split.count;
+  const int head_begin = static_cast<int>(hk * group + part * part_heads);
+  const int head_end = head_begin + static_cast<int>(part_heads);
+  // Direct dQ: rows [r_begin, r_end) of head h that no step below visits (no key of the tile is
+  // visible to them) are 0, as the atomic path's zeroed workspace leaves them.
+  const auto zero_dq_rows = [&](int h, int r_begin, int r_end) {
+    for (int i = tid; i < (r_end - r_begin) * d; i += Cfg::kThreads) {
+      head_ptr(p.dq, p.dq_strides, b, h, seq.q_start + r_begin + i / d)[i % d] = 0;
+    }
+  };
+  if (n0 >= seq.len_kv) {  // past this sequence's end (varlen)
+    if (dq_out.direct) {
+      for (int h = head_begin; h < head_end; ++h) zero_dq_rows(h, 0, static_cast<int>(seq.len_q));
+    }
+    return;
+  }
+  const Visibility vis(f, seq);
   const int k_extent = round_up(d, Atom::kK), n_extent = round_up(d, Atom::kN);
   const float scale = static_cast<float>(f.scale);
   const Dropout dropout(f.dropout);
-  const int64_t group = f.shape.heads_q / f.shape.heads_kv;
-  const int64_t part_heads = group / split.count;
 
   load_key_side<Atom>(BwdSmem<Cfg>(smem_raw, 0), p, head_ptr(f.k, f.k_strides, b, hk, seq.k_start),
                       head_ptr(f.v, f.v_strides, b, hk, seq.k_start), vis.len_kv, n0, tid);
@@ -536,12 +560,27 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   // bookkeeping.
   const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
   const int row_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
-  const int head_begin = static_cast<int>(hk * group + part * part_heads);
-  const int head_end = head_begin + static_cast<int>(part_heads);
+  const auto visible_head = [&](int h) {
+    return n0 < HeadMask(f.mask, b, h, f.shape.heads_q).key_end;
+  };
   const auto active_head = [&](int h) {
-    while (h < head_end && n0 >= HeadMask(f.mask, b, h, f.shape.heads_q).key_end) ++h;
+    while (h < head_end && !visible_head(h)) ++h;
     return h;
   };
+  if (dq_out.direct) {
+    // The steps' rows: whole query tiles from row_begin while they start before row_end.
+    const int steps_end =
+        row_begin < row_end ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
+                            : row_begin;
+    for (int h = head_begin; h < head_end; ++h) {
+      if (visible_head(h)) {
+        zero_dq_rows(h, 0, min(row_begin, vis.len_q));
+        zero_dq_rows(h, steps_end, vis.len_q);
+      } else {
+        zero_dq_rows(h, 0, vis.len_q);
+      }
+    }
+  }
   int h = row_begin < row_end ? active_head(head_begin) : head_end;
   int m0 = row_begin;
   int stage = 0;  // the query-side buffer of this step
@@ -585,14 +624,21 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
       __syncthreads();
       load_next_query_side();
     }
-    if (dq_accum != nullptr) {
+    if (dq_out.accum != nullptr || dq_out.direct) {
       for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
         const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
         QAcc dq;
         dq.zero();
         warp_gemm<Atom, Elem, kBlockN>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
                                        MMajor{sm.k + q_c0, kLdE}, kBlockN, n_extent - q_c0, lane);
-        float* dst = DqWs::lane_tile(dq_accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
+        if (dq_out.direct) {
+          const int64_t q_row = seq.q_start + m0 + q_r0;
+          store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, q_row) + q_c0,
+                                   p.dq_strides.row, vis.len_q - m0 - q_r0, d - q_c0, lane,
+                                   [&](int, int) { return scale; });
+          continue;
+        }
+        float* dst = DqWs::lane_tile(dq_out.accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
                                      e0 / Cfg::kDqCols, warp, lane);
         // Columns past d only where the warp's columns reach past it: one uniform branch, not
         // a divergence region per atomic.
