@@ -181,16 +181,18 @@ void run_backward(BackwardParams& bp, int kv_group_parts) {
     dq_out.accum = dq_accum.data();
     dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
   }
-  launch(dim3{grid(ceil_div(s.batch * s.heads_q * dq_ws.padded_len_q, 4)), 1, 1}, 128,
-         kern::flash_bwd_dsum_kernel<Elem, kern::is_general(V)>, bp, dsum.data(), dq_ws);
+  if (!dq_out.direct) {  // else the dK/dV kernel computes D
+    launch(dim3{grid(ceil_div(s.batch * s.heads_q * dq_ws.padded_len_q, 4)), 1, 1}, 128,
+           kern::flash_bwd_dsum_kernel<Elem, kern::is_general(V)>, bp, dsum.data(), dq_ws);
+  }
   // The parts' fp32 slabs start as NaN: a row the reduction reads but no part wrote shows up.
   const int64_t slab = s.batch * s.heads_kv * s.len_kv * s.head_dim;
   const int64_t parts_floats = kv_group_parts > 1 ? kv_group_parts * slab : 0;
   std::vector<float> kv_parts(2 * parts_floats, NAN);
   const kern::KvGroupSplit split{kv_group_parts, kv_parts.data(), kv_parts.data() + parts_floats};
   launch(dim3{grid(key_tiles), grid(s.batch * s.heads_kv * kv_group_parts), 1}, Cfg::kThreads,
-         kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>, bp,
-         static_cast<const float*>(dsum.data()), dq_out, split);
+         kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>, bp, dsum.data(), dq_out,
+         split);
   if (kv_group_parts > 1) {
     launch(dim3{grid(ceil_div(s.len_kv * s.head_dim / 2, 256)), grid(s.batch * s.heads_kv), 1},
            256, kern::flash_bwd_dkdv_reduce_kernel<Elem>, bp, split);

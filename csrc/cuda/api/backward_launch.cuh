@@ -1,6 +1,6 @@
-// The backward launches of one head-dim bucket (run_fused_backward's second half), after the D
-// pre-pass: dK/dV (+ dQ by atomics into a workspace, converted afterwards), dK/dV and the
-// deterministic dQ kernel, or, with one key tile, dK/dV and dQ in one kernel. Included by the
+// The backward launches of one head-dim bucket (run_fused_backward's second half): the D
+// pre-pass, then dK/dV (+ dQ by atomics into a workspace, converted afterwards) or dK/dV and the
+// deterministic dQ kernel; with one key tile, D, dK/dV and dQ in one kernel. Included by the
 // launch units that CMakeLists.txt generates, one per bucket (FLASHV100_INSTANTIATE_BACKWARD
 // below), so that the backward kernels compile in parallel.
 #pragma once
@@ -53,9 +53,9 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
       using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
       const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
-      // dQ (kern::DqOutput): written by the dK/dV kernel where one key tile holds every key, else
-      // by atomics into a workspace that the D pre-pass zeroes (one warp per padded row), or by
-      // the deterministic dQ kernel.
+      // dQ (kern::DqOutput): written by the dK/dV kernel where one key tile holds every key (which
+      // then computes D too), else by atomics into a workspace that the D pre-pass zeroes (one
+      // warp per padded row), or by the deterministic dQ kernel.
       kern::DqOutput dq_out{nullptr, key_tiles == 1};
       at::Tensor dq_accum;
       kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
@@ -64,10 +64,12 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
         dq_out.accum = dq_accum.data_ptr<float>();
         dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
       }
-      const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
-      kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(p, dsum,
-                                                                                        dq_ws);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (!dq_out.direct) {  // else the dK/dV kernel computes D
+        const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
+        kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(
+            p, dsum, dq_ws);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
 
       const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>;
       set_smem(dkdv, Cfg::kSmemBytes);

@@ -396,11 +396,35 @@ struct DqWorkspaceRows {
   int row_floats;
 };
 
-// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32: one warp per row, padded to the dQ workspace's
-// rows when there is one (each warp zeroes its workspace row). The general variant also
-// writes the row's P base and log2 normalizer (p.row_base, p.row_log2_norm): lse and 0, or
-// recounted for rows with finite |lse| >= 2^16 whose dO is not 0 (with dO = 0, P does not reach
-// any gradient). The plain variant's scores are never biased that far: it skips all of that.
+// D[b, h, i] = sum_e dO[i, e] * O[i, e] in fp32 of query row i < seq.len_q of (b, h), by one
+// warp. The general variant also writes the row's P base and log2 normalizer (p.row_base,
+// p.row_log2_norm): lse and 0, or recounted for rows with finite |lse| >= 2^16 whose dO is not 0
+// (with dO = 0, P does not reach any gradient). The plain variant's scores are never biased that
+// far: it skips all of that.
+template <class Elem, bool kGeneral>
+__device__ __forceinline__ void write_row_vectors(const BackwardParams& p, float* dsum,
+                                                  const SequenceSpan& seq, int64_t b, int64_t h,
+                                                  int i, int lane) {
+  const ForwardParams& f = p.fwd;
+  const int64_t row = row_vector_index(f, b, h, i);
+  const uint16_t* g = head_ptr(p.dout, p.dout_strides, b, h, seq.q_start + i);
+  const float d_row = warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, seq.q_start + i), g,
+                                         f.shape.head_dim, lane);
+  if (lane == 0) dsum[row] = d_row;
+  if constexpr (!kGeneral) return;
+  float base = f.lse[lse_index(f, seq, b, h, i)], log2_norm = 0.0f;
+  if (fabsf(base) >= kSaturatedLse && fabsf(base) != pos_inf() &&
+      warp_row_nonzero(g, f.shape.head_dim, lane)) {
+    recount_saturated_row<Elem>(p, b, h, i, lane, base, log2_norm);
+  }
+  if (lane == 0) {
+    p.row_base[row] = base;
+    p.row_log2_norm[row] = log2_norm;
+  }
+}
+
+// The D pre-pass: write_row_vectors with one warp per row, padded to the dQ workspace's rows when
+// there is one (each warp zeroes its workspace row).
 template <class Elem, bool kGeneral>
 __global__ void __launch_bounds__(128)
     flash_bwd_dsum_kernel(const BackwardParams p, float* dsum, const DqWorkspaceRows dq_ws) {
@@ -413,25 +437,10 @@ __global__ void __launch_bounds__(128)
     float4* ws_row = reinterpret_cast<float4*>(dq_ws.floats + slot * dq_ws.row_floats);
     for (int c = lane; c < dq_ws.row_floats / 4; c += 32) ws_row[c] = make_float4(0, 0, 0, 0);
   }
-  if (i >= f.shape.len_q) return;
-  const int64_t row = bh * f.shape.len_q + i;
   const int64_t b = bh / f.shape.heads_q, h = bh % f.shape.heads_q;
   const SequenceSpan seq = batch_span(f, b);
-  if (i >= seq.len_q) return;  // past this sequence's end (varlen)
-  const uint16_t* g = head_ptr(p.dout, p.dout_strides, b, h, seq.q_start + i);
-  const float d_row = warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, seq.q_start + i), g,
-                                         f.shape.head_dim, lane);
-  if (lane == 0) dsum[row] = d_row;
-  if constexpr (!kGeneral) return;
-  float base = f.lse[lse_index(f, seq, b, h, i)], log2_norm = 0.0f;
-  if (fabsf(base) >= kSaturatedLse && fabsf(base) != pos_inf() &&
-      warp_row_nonzero(g, f.shape.head_dim, lane)) {
-    recount_saturated_row<Elem>(p, b, h, static_cast<int>(i), lane, base, log2_norm);
-  }
-  if (lane == 0) {
-    p.row_base[row] = base;
-    p.row_log2_norm[row] = log2_norm;
-  }
+  if (i >= seq.len_q) return;  // past this sequence's end (varlen), or a padded row
+  write_row_vectors<Elem, kGeneral>(p, dsum, seq, b, h, static_cast<int>(i), lane);
 }
 
 // The fp32 dQ workspace of the atomic path, laid out the way the dK/dV kernel's warps hold dQ:
@@ -488,11 +497,12 @@ struct KvGroupSplit {
   float* dv;
 };
 
-// Where the dK/dV kernel leaves dQ: added by fp32 atomics into a DqWorkspace (`accum`); written
-// to p.dq as Elem (`direct`) where the grid has one key tile, so that one block computes a query
-// tile's whole dQ (no workspace, and no convert or dQ kernel after it: two launches fewer at the
-// short sequences where launches are most of the time); or not at all (the deterministic dQ kernel
-// computes it).
+// Where the dK/dV kernel leaves dQ: added by fp32 atomics into a DqWorkspace (`accum`); or not at
+// all (the deterministic dQ kernel computes it); or, where the grid has one key tile, so that one
+// block visits each of its heads' query tiles once and computes their whole dQ, written to p.dq as
+// Elem (`direct`), and the kernel computes its rows' D (write_row_vectors) itself: the backward is
+// then one launch instead of three (no D pre-pass, no convert or dQ kernel), at the short
+// sequences where launches take most of the time.
 struct DqOutput {
   float* accum;
   bool direct;
@@ -506,7 +516,7 @@ struct DqOutput {
 template <class Atom, class Elem, int kHeadDim, Variant kVariant, int kQStages = 1,
           BwdTileSize kSize = BwdTileSize::kCompact>
 __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>::kThreads, 1)
-    flash_bwd_dkdv_kernel(const BackwardParams p, const float* dsum, const DqOutput dq_out,
+    flash_bwd_dkdv_kernel(const BackwardParams p, float* dsum, const DqOutput dq_out,
                           const KvGroupSplit split) {
   using Cfg = BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
@@ -568,18 +578,25 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
     return h;
   };
   if (dq_out.direct) {
-    // The steps' rows: whole query tiles from row_begin while they start before row_end.
+    // The steps' rows: whole query tiles from row_begin while they start before row_end. Their
+    // row vectors (the D pre-pass's work, which is not launched) are written before any step
+    // reads them; the other rows' dQ is 0.
+    const int steps_begin = min(row_begin, vis.len_q);
     const int steps_end =
         row_begin < row_end ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
-                            : row_begin;
+                            : steps_begin;
     for (int h = head_begin; h < head_end; ++h) {
       if (visible_head(h)) {
-        zero_dq_rows(h, 0, min(row_begin, vis.len_q));
+        zero_dq_rows(h, 0, steps_begin);
         zero_dq_rows(h, steps_end, vis.len_q);
+        for (int i = steps_begin + warp; i < steps_end; i += Cfg::kThreads / 32) {
+          write_row_vectors<Elem, Cfg::kGeneral>(p, dsum, seq, b, h, i, lane);
+        }
       } else {
         zero_dq_rows(h, 0, vis.len_q);
       }
     }
+    __syncthreads();
   }
   int h = row_begin < row_end ? active_head(head_begin) : head_end;
   int m0 = row_begin;
