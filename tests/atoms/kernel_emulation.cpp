@@ -174,14 +174,14 @@ void run_backward(BackwardParams& bp, int kv_group_parts) {
   using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
   std::vector<float> dsum(s.batch * s.heads_q * s.len_q, NAN), dq_accum;
   const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
-  kern::DqOutput dq_out{nullptr, key_tiles == 1};  // dQ written by the dK/dV kernel
+  kern::DqOutput dq_out = kern::dq_output<Cfg>(key_tiles, s.heads_q / s.heads_kv, s.len_q);
   kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
   if (!bp.deterministic && !dq_out.direct) {
     dq_accum.assign(DqWorkspace::floats(s.batch * s.heads_q, s.len_q), NAN);  // zeroed by D's pass
     dq_out.accum = dq_accum.data();
     dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
   }
-  if (!dq_out.direct) {  // else the dK/dV kernel computes D
+  if (!dq_out.row_vectors) {  // else the dK/dV kernel computes D
     launch(dim3{grid(ceil_div(s.batch * s.heads_q * dq_ws.padded_len_q, 4)), 1, 1}, 128,
            kern::flash_bwd_dsum_kernel<Elem, kern::is_general(V)>, bp, dsum.data(), dq_ws);
   }

@@ -1,8 +1,8 @@
 // The backward launches of one head-dim bucket (run_fused_backward's second half): the D
 // pre-pass, then dK/dV (+ dQ by atomics into a workspace, converted afterwards) or dK/dV and the
-// deterministic dQ kernel; with one key tile, D, dK/dV and dQ in one kernel. Included by the
-// launch units that CMakeLists.txt generates, one per bucket (FLASHV100_INSTANTIATE_BACKWARD
-// below), so that the backward kernels compile in parallel.
+// deterministic dQ kernel; with one key tile, dK/dV and dQ in one kernel (and D, for short
+// sequences). Included by the launch units that CMakeLists.txt generates, one per bucket
+// (FLASHV100_INSTANTIATE_BACKWARD below), so that the backward kernels compile in parallel.
 #pragma once
 
 #include <c10/cuda/CUDAFunctions.h>
@@ -53,10 +53,10 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
       using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
       const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
-      // dQ (kern::DqOutput): written by the dK/dV kernel where one key tile holds every key (which
-      // then computes D too), else by atomics into a workspace that the D pre-pass zeroes (one
-      // warp per padded row), or by the deterministic dQ kernel.
-      kern::DqOutput dq_out{nullptr, key_tiles == 1};
+      // dQ (kern::DqOutput): written by the dK/dV kernel where one key tile holds every key (and
+      // D computed there too for short sequences), else by atomics into a workspace that the D
+      // pre-pass zeroes (one warp per padded row), or by the deterministic dQ kernel.
+      kern::DqOutput dq_out = kern::dq_output<Cfg>(key_tiles, s.heads_q / s.heads_kv, s.len_q);
       at::Tensor dq_accum;
       kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
       if (!p.deterministic && !dq_out.direct) {
@@ -64,7 +64,7 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
         dq_out.accum = dq_accum.data_ptr<float>();
         dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
       }
-      if (!dq_out.direct) {  // else the dK/dV kernel computes D
+      if (!dq_out.row_vectors) {
         const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
         kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(
             p, dsum, dq_ws);

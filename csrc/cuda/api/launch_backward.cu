@@ -1,6 +1,7 @@
 // Backward launches: D = rowsum(dO * O) (and, for the general variant, P's base and log2
 // normalizer per row), then dK/dV (+ dQ by atomics, converted afterwards), or dK/dV and a separate
-// deterministic dQ kernel; with one key tile, one kernel for all three. All on the current stream.
+// deterministic dQ kernel; with one key tile, dK/dV and dQ in one kernel (and D, for short
+// sequences). All on the current stream.
 // The launches of each head-dim bucket compile in their own unit (backward_launch.cuh,
 // launch_backward_hdim<D>.cu).
 #include <c10/cuda/CUDAFunctions.h>

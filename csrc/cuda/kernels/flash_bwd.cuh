@@ -500,13 +500,24 @@ struct KvGroupSplit {
 // Where the dK/dV kernel leaves dQ: added by fp32 atomics into a DqWorkspace (`accum`); or not at
 // all (the deterministic dQ kernel computes it); or, where the grid has one key tile, so that one
 // block visits each of its heads' query tiles once and computes their whole dQ, written to p.dq as
-// Elem (`direct`), and the kernel computes its rows' D (write_row_vectors) itself: the backward is
-// then one launch instead of three (no D pre-pass, no convert or dQ kernel), at the short
-// sequences where launches take most of the time.
+// Elem (`direct`: no convert or dQ kernel after it). `row_vectors` (direct only): the kernel
+// computes its rows' D (write_row_vectors) itself, in place of the D pre-pass: the backward of a
+// short sequence is then one launch instead of three, where launches take most of the time.
 struct DqOutput {
   float* accum;
   bool direct;
+  bool row_vectors;
 };
+// The DqOutput of a dK/dV grid of `key_tiles` key tiles over `len_q` queries and GQA groups of
+// `group` heads, before its workspace (`accum`) is set. The kernel computes D where its blocks
+// have at most 4 query rows a warp: each warp takes one row at a time, a memory latency each,
+// where the pre-pass spreads the rows over the GPU.
+template <class Cfg>
+__host__ __device__ inline DqOutput dq_output(int64_t key_tiles, int64_t group, int64_t len_q) {
+  constexpr int64_t kRowsPerWarp = 4;
+  const bool direct = key_tiles == 1;
+  return {nullptr, direct, direct && group * len_q <= kRowsPerWarp * Cfg::kThreads / 32};
+}
 
 // dK, dV for key tile blockIdx.x of (batch, kv head, part of its GQA group: KvGroupSplit)
 // blockIdx.y; and dQ as DqOutput says. kVariant: see
@@ -579,8 +590,8 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   };
   if (dq_out.direct) {
     // The steps' rows: whole query tiles from row_begin while they start before row_end. Their
-    // row vectors (the D pre-pass's work, which is not launched) are written before any step
-    // reads them; the other rows' dQ is 0.
+    // row vectors (row_vectors: the D pre-pass's work) are written before any step reads them;
+    // the other rows' dQ is 0.
     const int steps_begin = min(row_begin, vis.len_q);
     const int steps_end =
         row_begin < row_end ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
@@ -589,7 +600,8 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
       if (visible_head(h)) {
         zero_dq_rows(h, 0, steps_begin);
         zero_dq_rows(h, steps_end, vis.len_q);
-        for (int i = steps_begin + warp; i < steps_end; i += Cfg::kThreads / 32) {
+        for (int i = steps_begin + warp; dq_out.row_vectors && i < steps_end;
+             i += Cfg::kThreads / 32) {
           write_row_vectors<Elem, Cfg::kGeneral>(p, dsum, seq, b, h, i, lane);
         }
       } else {
