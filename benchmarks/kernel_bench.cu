@@ -179,8 +179,8 @@ void run(int batch, int heads, int len) {
                                     Cfg::kSmemBytes));
     return median_ms([&] {
       dsum<<<dsum_blocks, 128>>>(bp, row_vectors, dq_ws);  // also zeroes the dQ workspace
-      dkdv<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(bp, row_vectors, DqOutput{dq_accum, false},
-                                                      KvGroupSplit{1, nullptr, nullptr});
+      dkdv<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(bp, row_vectors, dq_accum,
+                                                      KvGroupSplit{1, nullptr, nullptr}, false);
     });
   };
   using Compact = std::integral_constant<BwdTileSize, BwdTileSize::kCompact>;

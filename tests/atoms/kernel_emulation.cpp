@@ -1,8 +1,9 @@
 // The attention kernels (flash_fwd.cuh, flash_bwd.cuh) of one atom and head-dim bucket run whole
 // on the CPU by the host emulation (cuda_host_emulation.h), launched as the CUDA launchers launch
 // them (csrc/cuda/api/forward_launch.cuh, backward_launch.cuh): the forward in the prefill or the
-// decode tile, then optionally the D pre-pass, dK/dV and dQ (atomic workspace + convert, or the
-// deterministic kernel) in one of the backward configurations (query-side buffers, tile size).
+// decode tile, then optionally the D pre-pass, dK/dV and dQ (atomic workspace + convert, the
+// deterministic kernel, or with one key tile dK/dV alone) in one of the backward configurations
+// (query-side buffers, tile size).
 // tests/test_kernel_emulation.py builds it per (atom, bucket), writes a case and compares the
 // results with the fp64 reference.
 //
@@ -167,21 +168,22 @@ void run_forward(const ForwardParams& p, bool decode_tile) {
 
 // The backward after a forward: the D pre-pass, dK/dV and dQ in the configuration (query-side
 // buffers, tile size) backward_launch.cuh's `run` would launch.
-template <class Elem, int D, Variant V, int kStages, kern::BwdTileSize kSize>
+template <class Elem, int D, Variant V, int kStages, kern::BwdTileSize kSize,
+          bool kDqDirect = false>
 void run_backward(BackwardParams& bp, int kv_group_parts) {
   const AttentionShape& s = bp.fwd.shape;
   using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
   using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
   std::vector<float> dsum(s.batch * s.heads_q * s.len_q, NAN), dq_accum;
   const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
-  kern::DqOutput dq_out = kern::dq_output<Cfg>(key_tiles, s.heads_q / s.heads_kv, s.len_q);
+  const bool dkdv_row_vectors =
+      kDqDirect && kern::dkdv_computes_row_vectors<Cfg>(s.heads_q / s.heads_kv, s.len_q);
   kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
-  if (!bp.deterministic && !dq_out.direct) {
+  if (!bp.deterministic && !kDqDirect) {
     dq_accum.assign(DqWorkspace::floats(s.batch * s.heads_q, s.len_q), NAN);  // zeroed by D's pass
-    dq_out.accum = dq_accum.data();
-    dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
+    dq_ws = DqWorkspace::rows(dq_accum.data(), s.len_q);
   }
-  if (!dq_out.row_vectors) {  // else the dK/dV kernel computes D
+  if (!dkdv_row_vectors) {
     launch(dim3{grid(ceil_div(s.batch * s.heads_q * dq_ws.padded_len_q, 4)), 1, 1}, 128,
            kern::flash_bwd_dsum_kernel<Elem, kern::is_general(V)>, bp, dsum.data(), dq_ws);
   }
@@ -191,13 +193,13 @@ void run_backward(BackwardParams& bp, int kv_group_parts) {
   std::vector<float> kv_parts(2 * parts_floats, NAN);
   const kern::KvGroupSplit split{kv_group_parts, kv_parts.data(), kv_parts.data() + parts_floats};
   launch(dim3{grid(key_tiles), grid(s.batch * s.heads_kv * kv_group_parts), 1}, Cfg::kThreads,
-         kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>, bp, dsum.data(), dq_out,
-         split);
+         kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize, kDqDirect>, bp, dsum.data(),
+         dq_ws.floats, split, dkdv_row_vectors);
   if (kv_group_parts > 1) {
     launch(dim3{grid(ceil_div(s.len_kv * s.head_dim / 2, 256)), grid(s.batch * s.heads_kv), 1},
            256, kern::flash_bwd_dkdv_reduce_kernel<Elem>, bp, split);
   }
-  if (dq_out.direct) return;
+  if constexpr (kDqDirect) return;
   if (bp.deterministic) {
     launch(dim3{grid(ceil_div(s.len_q, Cfg::kBlockM)), grid(s.batch * s.heads_q), 1},
            Cfg::kThreads, kern::flash_bwd_dq_kernel<Atom, Elem, D, V, kSize>, bp,
@@ -205,7 +207,7 @@ void run_backward(BackwardParams& bp, int kv_group_parts) {
   } else {
     launch(dim3{grid(DqWorkspace::query_tiles(s.len_q)), grid(s.batch * s.heads_q), 1},
            Cfg::kThreads, kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V, kSize>, bp,
-           static_cast<const float*>(dq_accum.data()));
+           static_cast<const float*>(dq_ws.floats));
   }
 }
 
@@ -259,7 +261,9 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   bp.deterministic = c.at("deterministic") != 0;
   const int parts = c.count("kv_group_parts") != 0 ? static_cast<int>(c.at("kv_group_parts")) : 1;
   using kern::BwdTileSize;
-  if (c.at("bwd_wide") != 0) {
+  if (ceil_div(Lkv, kern::BwdConfig<Atom, D, V>::kBlockN) == 1) {  // one key tile
+    run_backward<Elem, D, V, 1, BwdTileSize::kCompact, true>(bp, parts);
+  } else if (c.at("bwd_wide") != 0) {
     if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
       run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp, parts);
     } else {

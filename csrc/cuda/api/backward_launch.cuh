@@ -47,31 +47,32 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
     // Every kernel of one backward runs with the same configuration (the dQ workspace follows
     // its warp grid): the wide tile and two query-side buffers where the device's shared memory
     // holds them (configs.cuh), else the tile every GPU of the atom holds.
-    const auto run = [&](auto stages, auto size) {
+    const auto run = [&](auto stages, auto size, auto dq_direct) {
       constexpr int kStages = decltype(stages)::value;
       constexpr kern::BwdTileSize kSize = decltype(size)::value;
+      constexpr bool kDqDirect = decltype(dq_direct)::value;
       using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
       using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
       const int64_t key_tiles = ceil_div(s.len_kv, Cfg::kBlockN);
-      // dQ (kern::DqOutput): written by the dK/dV kernel where one key tile holds every key (and
-      // D computed there too for short sequences), else by atomics into a workspace that the D
-      // pre-pass zeroes (one warp per padded row), or by the deterministic dQ kernel.
-      kern::DqOutput dq_out = kern::dq_output<Cfg>(key_tiles, s.heads_q / s.heads_kv, s.len_q);
+      // dQ: written by the dK/dV kernel (kDqDirect; and D computed there too for short
+      // sequences), or by atomics into a workspace that the D pre-pass zeroes (one warp per
+      // padded row), or by the deterministic dQ kernel.
+      const bool dkdv_row_vectors =
+          kDqDirect && kern::dkdv_computes_row_vectors<Cfg>(s.heads_q / s.heads_kv, s.len_q);
       at::Tensor dq_accum;
       kern::DqWorkspaceRows dq_ws{nullptr, s.len_q, 0};
-      if (!p.deterministic && !dq_out.direct) {
+      if (!p.deterministic && !kDqDirect) {
         dq_accum = at::empty({DqWorkspace::floats(s.batch * s.heads_q, s.len_q)}, f32);
-        dq_out.accum = dq_accum.data_ptr<float>();
-        dq_ws = DqWorkspace::rows(dq_out.accum, s.len_q);
+        dq_ws = DqWorkspace::rows(dq_accum.data_ptr<float>(), s.len_q);
       }
-      if (!dq_out.row_vectors) {
+      if (!dkdv_row_vectors) {
         const int64_t dsum_warps = s.batch * s.heads_q * dq_ws.padded_len_q;
         kern::flash_bwd_dsum_kernel<Elem, G><<<ceil_div(dsum_warps, 4), 128, 0, stream>>>(
             p, dsum, dq_ws);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
 
-      const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize>;
+      const auto dkdv = kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize, kDqDirect>;
       set_smem(dkdv, Cfg::kSmemBytes);
       debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
                    Cfg::kThreads, Cfg::kSmemBytes);
@@ -87,7 +88,8 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
         split.dv = split.dk + split.count * slab;
       }
       const dim3 kv_grid(key_tiles, kv_heads * split.count);
-      dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum, dq_out, split);
+      dkdv<<<kv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dsum, dq_ws.floats, split,
+                                                                 dkdv_row_vectors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (split.count > 1) {
         // A split grid has under kWaves waves of key tiles: far from int's range, which the
@@ -98,7 +100,7 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
 
-      if (dq_out.direct) return;
+      if constexpr (kDqDirect) return;
       if (p.deterministic) {
         using DqCfg = kern::BwdConfig<Atom, D, V, 1, kSize>;  // one query tile a block
         const auto dq = kern::flash_bwd_dq_kernel<Atom, Elem, D, V, kSize>;
@@ -108,7 +110,7 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       } else {
         const dim3 q_grid(DqWorkspace::query_tiles(s.len_q), s.batch * s.heads_q);
         kern::flash_bwd_dq_convert_kernel<Atom, Elem, D, V, kSize>
-            <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_out.accum);
+            <<<q_grid, Cfg::kThreads, 0, stream>>>(p, dq_ws.floats);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -116,16 +118,25 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
     using Two = std::integral_constant<int, 2>;
     using CompactTile = std::integral_constant<kern::BwdTileSize, kern::BwdTileSize::kCompact>;
     using WideTile = std::integral_constant<kern::BwdTileSize, kern::BwdTileSize::kWide>;
+    using DqDirect = std::true_type;
+    using DqApart = std::false_type;
+    // Every key in one tile of the compact tile: one dK/dV block per (kv head, group part) visits
+    // each query tile once, so it writes dQ itself (kDqDirect). The tile fits every GPU.
+    if (ceil_div(s.len_kv, kern::BwdConfig<Atom, D, V>::kBlockN) == 1) {
+      return run(One{}, CompactTile{}, DqDirect{});
+    }
     const int smem = device_smem_optin();
     if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
       if (kern::BwdConfig<Atom, D, V, 2, kern::BwdTileSize::kWide>::kSmemBytes <= smem) {
-        return run(Two{}, WideTile{});
+        return run(Two{}, WideTile{}, DqApart{});
       }
     }
     if constexpr (Atom::kAsyncCopy) {
-      if (kern::BwdConfig<Atom, D, V, 2>::kSmemBytes <= smem) return run(Two{}, CompactTile{});
+      if (kern::BwdConfig<Atom, D, V, 2>::kSmemBytes <= smem) {
+        return run(Two{}, CompactTile{}, DqApart{});
+      }
     }
-    run(One{}, CompactTile{});
+    run(One{}, CompactTile{}, DqApart{});
   });
 }
 

@@ -497,38 +497,42 @@ struct KvGroupSplit {
   float* dv;
 };
 
-// Where the dK/dV kernel leaves dQ: added by fp32 atomics into a DqWorkspace (`accum`); or not at
-// all (the deterministic dQ kernel computes it); or, where the grid has one key tile, so that one
-// block visits each of its heads' query tiles once and computes their whole dQ, written to p.dq as
-// Elem (`direct`: no convert or dQ kernel after it). `row_vectors` (direct only): the kernel
-// computes its rows' D (write_row_vectors) itself, in place of the D pre-pass: the backward of a
-// short sequence is then one launch instead of three, where launches take most of the time.
-struct DqOutput {
-  float* accum;
-  bool direct;
-  bool row_vectors;
-};
-// The DqOutput of a dK/dV grid of `key_tiles` key tiles over `len_q` queries and GQA groups of
-// `group` heads, before its workspace (`accum`) is set. The kernel computes D where its blocks
-// have at most 4 query rows a warp: each warp takes one row at a time, a memory latency each,
-// where the pre-pass spreads the rows over the GPU.
+// kDqDirect: rows [r_begin, r_end) of query head h that no step of the dK/dV kernel visits (no key
+// is visible to them) get dQ = 0, as the zeroed workspace of the atomic path leaves them.
+template <int kThreads>
+__device__ __forceinline__ void zero_dq_rows(const BackwardParams& p, const SequenceSpan& seq,
+                                             int64_t b, int64_t h, int r_begin, int r_end,
+                                             int tid) {
+  const int d = static_cast<int>(p.fwd.shape.head_dim);
+  for (int i = tid; i < (r_end - r_begin) * d; i += kThreads) {
+    head_ptr(p.dq, p.dq_strides, b, h, seq.q_start + r_begin + i / d)[i % d] = 0;
+  }
+}
+// Whether the kDqDirect dK/dV kernel computes D itself over `len_q` queries and GQA groups of
+// `group` heads: where its blocks have at most 4 query rows a warp (each warp takes one row at a
+// time, a memory latency each, where the pre-pass spreads the rows over the GPU).
 template <class Cfg>
-__host__ __device__ inline DqOutput dq_output(int64_t key_tiles, int64_t group, int64_t len_q) {
+__host__ __device__ inline bool dkdv_computes_row_vectors(int64_t group, int64_t len_q) {
   constexpr int64_t kRowsPerWarp = 4;
-  const bool direct = key_tiles == 1;
-  return {nullptr, direct, direct && group * len_q <= kRowsPerWarp * Cfg::kThreads / 32};
+  return group * len_q <= kRowsPerWarp * Cfg::kThreads / 32;
 }
 
 // dK, dV for key tile blockIdx.x of (batch, kv head, part of its GQA group: KvGroupSplit)
-// blockIdx.y; and dQ as DqOutput says. kVariant: see
+// blockIdx.y, and dQ: with kDqDirect (where the grid has one key tile, so that one block visits
+// each of its heads' query tiles once and computes their whole dQ) written to p.dq as Elem, no
+// convert or dQ kernel after it, and with `computes_row_vectors` (dkdv_computes_row_vectors) the
+// rows' D too (write_row_vectors, in place of the D pre-pass): the backward of a short sequence
+// is then one launch, where launches take most of its time. Otherwise dQ is added by fp32
+// atomics into dq_accum (a DqWorkspace), or not at all (null: the deterministic dQ kernel computes
+// it). (The two as one struct parameter made ptxas spill the wide sm_80 kernels.) kVariant: see
 // configs.cuh; kQStages: query-side buffers, kSize: the tile (BwdConfig). One block per SM is
 // enough: the tiles are sized to the registers, and without it ptxas may trade spills for a
 // second block.
 template <class Atom, class Elem, int kHeadDim, Variant kVariant, int kQStages = 1,
-          BwdTileSize kSize = BwdTileSize::kCompact>
+          BwdTileSize kSize = BwdTileSize::kCompact, bool kDqDirect = false>
 __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>::kThreads, 1)
-    flash_bwd_dkdv_kernel(const BackwardParams p, float* dsum, const DqOutput dq_out,
-                          const KvGroupSplit split) {
+    flash_bwd_dkdv_kernel(const BackwardParams p, float* dsum, float* dq_accum,
+                          const KvGroupSplit split, bool computes_row_vectors) {
   using Cfg = BwdConfig<Atom, kHeadDim, kVariant, kQStages, kSize>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kLdE = Cfg::kLdE;
   extern __shared__ uint4 smem_raw[];
@@ -538,28 +542,23 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   const int64_t bh = blockIdx.y / split.count, part = blockIdx.y % split.count;
   const int64_t b = bh / f.shape.heads_kv, hk = bh % f.shape.heads_kv;
   const SequenceSpan seq = batch_span(f, b);
-  const int d = static_cast<int>(f.shape.head_dim);
-  const int64_t group = f.shape.heads_q / f.shape.heads_kv;
-  const int64_t part_heads = group / split.count;
-  const int head_begin = static_cast<int>(hk * group + part * part_heads);
-  const int head_end = head_begin + static_cast<int>(part_heads);
-  // Direct dQ: rows [r_begin, r_end) of head h that no step below visits (no key of the tile is
-  // visible to them) are 0, as the atomic path's zeroed workspace leaves them.
-  const auto zero_dq_rows = [&](int h, int r_begin, int r_end) {
-    for (int i = tid; i < (r_end - r_begin) * d; i += Cfg::kThreads) {
-      head_ptr(p.dq, p.dq_strides, b, h, seq.q_start + r_begin + i / d)[i % d] = 0;
-    }
-  };
   if (n0 >= seq.len_kv) {  // past this sequence's end (varlen)
-    if (dq_out.direct) {
-      for (int h = head_begin; h < head_end; ++h) zero_dq_rows(h, 0, static_cast<int>(seq.len_q));
+    if constexpr (kDqDirect) {  // no key at all: the part's heads get dQ = 0
+      const int64_t part_heads = f.shape.heads_q / f.shape.heads_kv / split.count;
+      const int64_t first = (hk * split.count + part) * part_heads;
+      for (int64_t h = first; h < first + part_heads; ++h) {
+        zero_dq_rows<Cfg::kThreads>(p, seq, b, h, 0, static_cast<int>(seq.len_q), tid);
+      }
     }
     return;
   }
   const Visibility vis(f, seq);
+  const int d = static_cast<int>(f.shape.head_dim);
   const int k_extent = round_up(d, Atom::kK), n_extent = round_up(d, Atom::kN);
   const float scale = static_cast<float>(f.scale);
   const Dropout dropout(f.dropout);
+  const int64_t group = f.shape.heads_q / f.shape.heads_kv;
+  const int64_t part_heads = group / split.count;
 
   load_key_side<Atom>(BwdSmem<Cfg>(smem_raw, 0), p, head_ptr(f.k, f.k_strides, b, hk, seq.k_start),
                       head_ptr(f.v, f.v_strides, b, hk, seq.k_start), vis.len_kv, n0, tid);
@@ -581,31 +580,28 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   // bookkeeping.
   const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
   const int row_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
-  const auto visible_head = [&](int h) {
-    return n0 < HeadMask(f.mask, b, h, f.shape.heads_q).key_end;
-  };
+  const int head_begin = static_cast<int>(hk * group + part * part_heads);
+  const int head_end = head_begin + static_cast<int>(part_heads);
   const auto active_head = [&](int h) {
-    while (h < head_end && !visible_head(h)) ++h;
+    while (h < head_end && n0 >= HeadMask(f.mask, b, h, f.shape.heads_q).key_end) ++h;
     return h;
   };
-  if (dq_out.direct) {
-    // The steps' rows: whole query tiles from row_begin while they start before row_end. Their
-    // row vectors (row_vectors: the D pre-pass's work) are written before any step reads them;
-    // the other rows' dQ is 0.
+  if constexpr (kDqDirect) {
+    // The steps' rows: whole query tiles from row_begin while they start before row_end, of the
+    // heads active_head does not skip. Their row vectors (computes_row_vectors: the D
+    // pre-pass's work) are written before any step reads them; the other rows' dQ is 0.
     const int steps_begin = min(row_begin, vis.len_q);
     const int steps_end =
         row_begin < row_end ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
                             : steps_begin;
     for (int h = head_begin; h < head_end; ++h) {
-      if (visible_head(h)) {
-        zero_dq_rows(h, 0, steps_begin);
-        zero_dq_rows(h, steps_end, vis.len_q);
-        for (int i = steps_begin + warp; dq_out.row_vectors && i < steps_end;
-             i += Cfg::kThreads / 32) {
-          write_row_vectors<Elem, Cfg::kGeneral>(p, dsum, seq, b, h, i, lane);
-        }
-      } else {
-        zero_dq_rows(h, 0, vis.len_q);
+      const bool stepped = active_head(h) == h;
+      zero_dq_rows<Cfg::kThreads>(p, seq, b, h, 0, stepped ? steps_begin : vis.len_q, tid);
+      if (!stepped) continue;
+      zero_dq_rows<Cfg::kThreads>(p, seq, b, h, steps_end, vis.len_q, tid);
+      for (int i = steps_begin + warp; computes_row_vectors && i < steps_end;
+           i += Cfg::kThreads / 32) {
+        write_row_vectors<Elem, Cfg::kGeneral>(p, dsum, seq, b, h, i, lane);
       }
     }
     __syncthreads();
@@ -653,34 +649,34 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
       __syncthreads();
       load_next_query_side();
     }
-    if (dq_out.accum != nullptr || dq_out.direct) {
+    if (kDqDirect || dq_accum != nullptr) {
       for (int e0 = 0; e0 < n_extent; e0 += Cfg::kDqCols) {
         const int q_c0 = e0 + (warp % Cfg::kWarpsNQ) * Cfg::kQCols;
         QAcc dq;
         dq.zero();
         warp_gemm<Atom, Elem, kBlockN>(dq, KMajor{sm.ds + q_r0 * Cfg::kLdN, Cfg::kLdN},
                                        MMajor{sm.k + q_c0, kLdE}, kBlockN, n_extent - q_c0, lane);
-        if (dq_out.direct) {
+        if constexpr (kDqDirect) {
           const int64_t q_row = seq.q_start + m0 + q_r0;
           store_accum_global<Elem>(dq, head_ptr(p.dq, p.dq_strides, b, h, q_row) + q_c0,
                                    p.dq_strides.row, vis.len_q - m0 - q_r0, d - q_c0, lane,
                                    [&](int, int) { return scale; });
-          continue;
-        }
-        float* dst = DqWs::lane_tile(dq_out.accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
-                                     e0 / Cfg::kDqCols, warp, lane);
-        // Columns past d only where the warp's columns reach past it: one uniform branch, not
-        // a divergence region per atomic.
-        const auto add = [&](auto checked) {
-          DqWs::for_each_slot([&](int fm, int fn, int i, int slot) {
-            if (!decltype(checked)::value || q_c0 + QAcc::col_of(lane, fn, i) < d)
-              atomicAdd(dst + slot, dq.c[fm][fn][i]);
-          });
-        };
-        if (q_c0 + Cfg::kQCols <= d) {
-          add(BoundsChecked<false>{});
         } else {
-          add(BoundsChecked<true>{});
+          float* dst = DqWs::lane_tile(dq_accum, b * f.shape.heads_q + h, f.shape.len_q, m0,
+                                       e0 / Cfg::kDqCols, warp, lane);
+          // Columns past d only where the warp's columns reach past it: one uniform branch, not
+          // a divergence region per atomic.
+          const auto add = [&](auto checked) {
+            DqWs::for_each_slot([&](int fm, int fn, int i, int slot) {
+              if (!decltype(checked)::value || q_c0 + QAcc::col_of(lane, fn, i) < d)
+                atomicAdd(dst + slot, dq.c[fm][fn][i]);
+            });
+          };
+          if (q_c0 + Cfg::kQCols <= d) {
+            add(BoundsChecked<false>{});
+          } else {
+            add(BoundsChecked<true>{});
+          }
         }
       }
     }

@@ -18,7 +18,10 @@ namespace kern {
 #define FLASHV100_INSTANTIATE_VARIANT(Atom, Elem, D, G)                                      \
   template __global__ void flash_fwd_kernel<Atom, Elem, D, G>(const ForwardParams);          \
   template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G>(                          \
-      const BackwardParams, float*, const DqOutput, const KvGroupSplit);                     \
+      const BackwardParams, float*, float*, const KvGroupSplit, bool);                       \
+  template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 1, BwdTileSize::kCompact, \
+                                                 true>(                                      \
+      const BackwardParams, float*, float*, const KvGroupSplit, bool);                       \
   template __global__ void flash_bwd_dq_kernel<Atom, Elem, D, G>(const BackwardParams,       \
                                                                  const float*);              \
   template __global__ void flash_bwd_dq_convert_kernel<Atom, Elem, D, G>(const BackwardParams, \
@@ -51,12 +54,12 @@ namespace kern {
 // cp.async atoms' dK/dV kernels with two query-side buffers (configs.cuh, BwdConfig).
 #define FLASHV100_INSTANTIATE_DKDV_TWO_STAGES(Atom, Elem, D, G)                                  \
   template __global__ void flash_bwd_dkdv_kernel<Atom, Elem, D, G, 2>(                           \
-      const BackwardParams, float*, const DqOutput, const KvGroupSplit);
+      const BackwardParams, float*, float*, const KvGroupSplit, bool);
 // The wide backward tiles (configs.cuh, has_wide_bwd_tile).
 #define FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, D, V)                                 \
   template __global__ void                                                                      \
   flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide>(                         \
-      const BackwardParams, float*, const DqOutput, const KvGroupSplit);                        \
+      const BackwardParams, float*, float*, const KvGroupSplit, bool);                          \
   template __global__ void                                                                      \
   flash_bwd_dq_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(const BackwardParams,         \
                                                                    const float*);               \
