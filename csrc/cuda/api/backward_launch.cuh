@@ -120,8 +120,9 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
     using WideTile = std::integral_constant<kern::BwdTileSize, kern::BwdTileSize::kWide>;
     using DqDirect = std::true_type;
     using DqApart = std::false_type;
-    // Every key in one tile of the compact tile: one dK/dV block per (kv head, group part) visits
-    // each query tile once, so it writes dQ itself (kDqDirect). The tile fits every GPU.
+    // Every key in one tile of the compact tile: one dK/dV block per (batch, kv head, group part)
+    // visits each of its query tiles once, so it writes dQ itself (kDqDirect). The compact tile
+    // fits every GPU of the atom.
     if (ceil_div(s.len_kv, kern::BwdConfig<Atom, D, V>::kBlockN) == 1) {
       return run(One{}, CompactTile{}, DqDirect{});
     }
