@@ -56,7 +56,7 @@ struct DropoutParams {
   const int64_t* seed_ptr = nullptr;
   const int64_t* offset_ptr = nullptr;
   uint64_t offset_intragraph = 0;
-  int64_t* rng_state_out = nullptr;  // kernel writes {seed, offset} here for the backward
+  int64_t* rng_state_out = nullptr;  // the forward kernel writes [seed, offset] here (or not: null)
 };
 
 struct TensorStrides {

@@ -53,15 +53,6 @@ MmaAtom atom_of(const at::Tensor& t) {
   return mma_atom_for(major, minor);
 }
 
-// The rng_state [seed, offset] of a forward without dropout: zeros, by a memset (an ATen fill
-// costs several times its host time, and a small attention is host bound).
-at::Tensor zero_rng_state(const at::Tensor& like) {
-  at::Tensor state = at::empty({2}, like.options().dtype(at::kLong));
-  C10_CUDA_CHECK(cudaMemsetAsync(state.data_ptr(), 0, state.nbytes(),
-                                 c10::cuda::getCurrentCUDAStream()));
-  return state;
-}
-
 // The internal attention ops' [B, H, L, E] problem.
 FusedProblem attention_problem(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value) {
@@ -142,11 +133,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   at::Tensor lse = allocate_lse(query);
   ForwardParams params = make_forward_params(query, key, value, attn_mask, out, lse, scale,
                                              causal_mode, dropout_p);
-  at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query, params.dropout)
-                                         : zero_rng_state(query);
   const MmaAtom atom = atom_of(query);
   const char* reason = fused_unsupported_reason(atom, attention_problem(query, key, value),
                                                 {&query, &key, &value, &out});
+  at::Tensor rng_state = forward_rng_state(query, dropout_p, params.dropout, reason == nullptr);
   if (reason == nullptr) {
     debug_log(op, mma_atom_name(atom), nullptr);
     run_fused_forward(atom, query.scalar_type(), params);
@@ -218,8 +208,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_cuda(
   at::Tensor out = at::empty_like(query);
   at::Tensor lse = allocate_flash_lse(args);
   ForwardParams params = make_flash_forward_params(args, out, lse);
-  at::Tensor rng_state = dropout_p > 0.0 ? next_rng_state(query, params.dropout)
-                                         : zero_rng_state(query);
+  // The forward kernel runs unless there is no query or no key (or check_flash_fused throws).
+  at::Tensor rng_state = forward_rng_state(
+      query, dropout_p, params.dropout, !flash_has_no_query(args) && !flash_has_no_key(args));
   if (flash_has_no_query(args)) return {out, lse, rng_state};
   if (flash_has_no_key(args)) {
     debug_log(op, "no key", nullptr);

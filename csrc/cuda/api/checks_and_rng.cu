@@ -54,7 +54,17 @@ const char* fused_unsupported_reason(MmaAtom atom, const FusedProblem& problem,
   return nullptr;
 }
 
-at::Tensor next_rng_state(const at::Tensor& like, DropoutParams& dropout) {
+at::Tensor forward_rng_state(const at::Tensor& like, double dropout_p, DropoutParams& dropout,
+                             bool by_forward_kernel) {
+  at::Tensor rng_state = at::empty({2}, like.options().dtype(at::kLong));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (by_forward_kernel) dropout.rng_state_out = rng_state.data_ptr<int64_t>();
+  if (dropout_p <= 0.0) {
+    if (!by_forward_kernel) {
+      C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, rng_state.nbytes(), stream));
+    }
+    return rng_state;
+  }
   auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
       std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(like.device().index()));
   at::PhiloxCudaState state;
@@ -71,10 +81,10 @@ at::Tensor next_rng_state(const at::Tensor& like, DropoutParams& dropout) {
     dropout.seed = state.seed_.val;
     dropout.offset = state.offset_.val;
   }
-  at::Tensor rng_state = at::empty({2}, like.options().dtype(at::kLong));
-  write_rng_state_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      state, rng_state.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!by_forward_kernel) {
+    write_rng_state_kernel<<<1, 1, 0, stream>>>(state, rng_state.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return rng_state;
 }
 

@@ -69,10 +69,14 @@ int num_splits_heuristic(int64_t batch_heads_mblocks, int64_t num_sms, int64_t n
 // caching allocator's stream order keeps it valid once they are enqueued.
 at::Tensor attach_mask_key_ranges(ForwardParams& p);
 
-// Reserves Philox randomness from PyTorch's CUDA generator of `like`'s device for one call:
-// fills `dropout` (seed/offset values, or device pointers under CUDA graph capture) and returns
-// rng_state = {seed, offset} written by a kernel, so capture never reads it on the host.
-at::Tensor next_rng_state(const at::Tensor& like, DropoutParams& dropout);
+// The rng_state [seed, offset] of a forward, for its backward. With dropout it reserves Philox
+// randomness from PyTorch's CUDA generator of `like`'s device for one call and fills `dropout`
+// (seed/offset values, or device pointers under CUDA graph capture); without, it is zeros. Always
+// written on the device, so capture never reads it on the host: by the forward kernel's first
+// block where `by_forward_kernel` (dropout.rng_state_out: no launch of its own, and a small step
+// is launch bound), else by a one-thread kernel or a memset.
+at::Tensor forward_rng_state(const at::Tensor& like, double dropout_p, DropoutParams& dropout,
+                             bool by_forward_kernel);
 // keep mask [B, H, L, S] (bool) of philox.h for rng_state.
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                              int64_t len_q, int64_t len_kv, double dropout_p);

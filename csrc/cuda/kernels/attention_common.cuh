@@ -251,16 +251,29 @@ struct HeadMask {
 // Dropout on attention probabilities with the Philox keep bits of common/philox.h (the kDropout
 // kernel variants; p > 0). Seed and offset come from device memory when the launcher passes
 // pointers (CUDA graph capture, and the backward reading the forward's rng_state).
+// The Philox seed and offset of a dropout stream: given, or read from the generator's device
+// state where a CUDA graph captured the step.
+__device__ __forceinline__ uint64_t dropout_seed(const DropoutParams& d) {
+  return d.seed_ptr != nullptr ? static_cast<uint64_t>(*d.seed_ptr) : d.seed;
+}
+__device__ __forceinline__ uint64_t dropout_offset(const DropoutParams& d) {
+  return d.offset_ptr != nullptr ? static_cast<uint64_t>(*d.offset_ptr) + d.offset_intragraph
+                                 : d.offset;
+}
+// DropoutParams::rng_state_out: the forward's [seed, offset] for its backward (zeros without
+// dropout), written by one thread of its first block instead of a launch of its own.
+__device__ __forceinline__ void write_rng_state(const DropoutParams& d) {
+  if (d.rng_state_out == nullptr || blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x != 0) return;
+  d.rng_state_out[0] = static_cast<int64_t>(dropout_seed(d));
+  d.rng_state_out[1] = static_cast<int64_t>(dropout_offset(d));
+}
+
 struct Dropout {
   const DropoutParams& params;  // a kernel parameter: read where used, holding no register
   DropoutStream stream;
 
   __device__ __forceinline__ explicit Dropout(const DropoutParams& d)
-      : params(d),
-        stream(d.seed_ptr != nullptr ? static_cast<uint64_t>(*d.seed_ptr) : d.seed,
-               d.offset_ptr != nullptr
-                   ? static_cast<uint64_t>(*d.offset_ptr) + d.offset_intragraph
-                   : d.offset) {}
+      : params(d), stream(dropout_seed(d), dropout_offset(d)) {}
   // 1 / (1 - p), the scale of kept entries.
   __device__ __forceinline__ float inv_keep() const { return 1.0f / (1.0f - params.p); }
   // The drop threshold in the high 16 bits: one compare per 16-bit uniform.

@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   const int warp_row0 = warp / kKeyWarps * kWarpRows;
   const int key_warp = warp % kKeyWarps, warp_key0 = key_warp * kWarpKeys;  // in each key tile
   const int64_t b = blockIdx.y / shape.heads_q, h = blockIdx.y % shape.heads_q;
+  write_rng_state(p.dropout);
   const SequenceSpan seq = sequence_span(p, b);
   if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
   const int64_t hk = kv_head_of(h, shape.heads_q, shape.heads_kv);
