@@ -328,19 +328,20 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   store_accum_smem<Elem>(dp, sm.ds, Cfg::kLdN, r0, c0, lane);
 }
 
-// sum_e a[e] * b[e] over n (even) 16-bit elements in fp32, by the whole warp (a pair of elements
-// per lane and step); every lane returns the sum.
-template <class Elem>
+// sum_e a[e] * b[e] over n (even) 16-bit elements in fp32, by each group of kLanes lanes of the
+// warp (a pair of elements per lane and step; every lane of the warp calls it, with n = 0 where
+// its group has no row); every lane of a group returns the group's sum.
+template <class Elem, int kLanes = 32>
 __device__ __forceinline__ float warp_row_dot(const uint16_t* a, const uint16_t* b, int64_t n,
                                               int lane) {
   float acc = 0.0f;
-  for (int e = 2 * lane; e < n; e += 64) {
+  for (int e = 2 * (lane % kLanes); e < n; e += 2 * kLanes) {
     const uint32_t av = *reinterpret_cast<const uint32_t*>(a + e);
     const uint32_t bv = *reinterpret_cast<const uint32_t*>(b + e);
     acc += low_float<Elem>(av) * low_float<Elem>(bv) + high_float<Elem>(av) * high_float<Elem>(bv);
   }
 #pragma unroll
-  for (int bit = 16; bit > 0; bit >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, bit);
+  for (int bit = kLanes / 2; bit > 0; bit >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, bit);
   return acc;
 }
 
@@ -508,13 +509,35 @@ __device__ __forceinline__ void zero_dq_rows(const BackwardParams& p, const Sequ
     head_ptr(p.dq, p.dq_strides, b, h, seq.q_start + r_begin + i / d)[i % d] = 0;
   }
 }
+// The kDqDirect dK/dV kernel's D of the plain variant: kDotLanes lanes a row, 32 / kDotLanes rows
+// of a warp at once (write_dsum_rows).
+constexpr int kDotLanes = 4;
 // Whether the kDqDirect dK/dV kernel computes D itself over `len_q` queries and GQA groups of
-// `group` heads: where its blocks have at most 4 query rows a warp (each warp takes one row at a
-// time, a memory latency each, where the pre-pass spreads the rows over the GPU).
+// `group` heads: where each warp has at most 2 rounds of rows (each round a memory latency, where
+// the pre-pass spreads the rows over the GPU), a round being one row a warp for the general
+// variant (write_row_vectors), 32 / kDotLanes for the plain one.
 template <class Cfg>
 __host__ __device__ inline bool dkdv_computes_row_vectors(int64_t group, int64_t len_q) {
-  constexpr int64_t kRowsPerWarp = 4;
-  return group * len_q <= kRowsPerWarp * Cfg::kThreads / 32;
+  constexpr int64_t kRounds = 2, kRowsPerRound = Cfg::kGeneral ? 1 : 32 / kDotLanes;
+  return group * len_q <= kRounds * kRowsPerRound * Cfg::kThreads / 32;
+}
+
+// D of query rows [r_begin, r_end) of (b, h) (write_row_vectors' D, the plain variant's only row
+// vector), by warps of kThreads threads: kDotLanes lanes a row.
+template <class Elem, int kThreads>
+__device__ __forceinline__ void write_dsum_rows(const BackwardParams& p, float* dsum,
+                                                const SequenceSpan& seq, int64_t b, int64_t h,
+                                                int r_begin, int r_end, int tid) {
+  const ForwardParams& f = p.fwd;
+  constexpr int kRowsAtOnce = kThreads / kDotLanes;
+  for (int r0 = r_begin; r0 < r_end; r0 += kRowsAtOnce) {
+    const int i = r0 + tid / kDotLanes;
+    const int64_t q_row = seq.q_start + min(i, r_end - 1);  // rows past r_end add nothing
+    const float d_row = warp_row_dot<Elem, kDotLanes>(
+        head_ptr(f.out, f.out_strides, b, h, q_row),
+        head_ptr(p.dout, p.dout_strides, b, h, q_row), i < r_end ? f.shape.head_dim : 0, tid % 32);
+    if (i < r_end && tid % kDotLanes == 0) dsum[row_vector_index(f, b, h, i)] = d_row;
+  }
 }
 
 // dK, dV for key tile blockIdx.x of (batch, kv head, part of its GQA group: KvGroupSplit)
@@ -599,9 +622,13 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
       zero_dq_rows<Cfg::kThreads>(p, seq, b, h, 0, stepped ? steps_begin : vis.len_q, tid);
       if (!stepped) continue;
       zero_dq_rows<Cfg::kThreads>(p, seq, b, h, steps_end, vis.len_q, tid);
-      for (int i = steps_begin + warp; computes_row_vectors && i < steps_end;
-           i += Cfg::kThreads / 32) {
-        write_row_vectors<Elem, Cfg::kGeneral>(p, dsum, seq, b, h, i, lane);
+      if (!computes_row_vectors) continue;
+      if constexpr (Cfg::kGeneral) {
+        for (int i = steps_begin + warp; i < steps_end; i += Cfg::kThreads / 32) {
+          write_row_vectors<Elem, true>(p, dsum, seq, b, h, i, lane);
+        }
+      } else {
+        write_dsum_rows<Elem, Cfg::kThreads>(p, dsum, seq, b, h, steps_begin, steps_end, tid);
       }
     }
     __syncthreads();
