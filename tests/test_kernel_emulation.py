@@ -252,6 +252,19 @@ def test_backward_configurations(emulators, tmp_path, head_dim, variant, wide):
              dropout_p=0.15 if variant == "dropout" else 0.0, bwd_stages=2, bwd_wide=wide)
 
 
+# Keys that fill one tile of the wide tile but two of the compact one (head dims 128 and 256):
+# dK/dV and dQ in one kernel of the wide tile, with D computed there or by the pre-pass (the
+# masked variant at head dim 256 keeps the dQ workspace: has_direct_wide_bwd_tile).
+@pytest.mark.parametrize("head_dim, variant, len_q, len_kv, parts", [
+    (128, "plain", 9, 128, 1), (128, "dropout", 100, 77, 2), (256, "plain", 64, 64, 1),
+    (256, "mask", 50, 50, 1), (256, "dropout", 5, 33, 2)])
+def test_wide_tile_one_key_tile(emulators, tmp_path, head_dim, variant, len_q, len_kv, parts):
+    mask = left_padding_mask(1, 4, len_kv, [7]) if variant == "mask" else None
+    run_case(emulators, tmp_path, atom="AmpereAtom", head_dim=head_dim, len_q=len_q,
+             len_kv=len_kv, heads_q=4, heads_kv=2, causal=2, mask=mask, kv_group_parts=parts,
+             dropout_p=0.15 if variant == "dropout" else 0.0, bwd_stages=2, bwd_wide=True)
+
+
 @pytest.mark.parametrize("len_q, causal, heads_q, heads_kv", [
     (1, 0, 4, 1), (5, 2, 2, 2), (32, 2, 4, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])

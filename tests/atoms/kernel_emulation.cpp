@@ -261,11 +261,17 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   bp.deterministic = c.at("deterministic") != 0;
   const int parts = c.count("kv_group_parts") != 0 ? static_cast<int>(c.at("kv_group_parts")) : 1;
   using kern::BwdTileSize;
-  if (ceil_div(Lkv, kern::BwdConfig<Atom, D, V>::kBlockN) == 1) {  // one key tile
+  if (kern::has_one_key_tile<kern::BwdConfig<Atom, D, V>>(Lkv)) {
     run_backward<Elem, D, V, 1, BwdTileSize::kCompact, true>(bp, parts);
   } else if (c.at("bwd_wide") != 0) {
     if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
-      run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp, parts);
+      using WideCfg = kern::BwdConfig<Atom, D, V, 2, BwdTileSize::kWide>;
+      constexpr bool kDirect = kern::has_direct_wide_bwd_tile<Atom, D, V>();
+      if (kDirect && kern::has_one_key_tile<WideCfg>(Lkv)) {
+        run_backward<Elem, D, V, 2, BwdTileSize::kWide, kDirect>(bp, parts);
+      } else {
+        run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp, parts);
+      }
     } else {
       unsupported("no wide backward tile for this atom, head dim and variant");
     }

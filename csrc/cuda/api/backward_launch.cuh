@@ -120,15 +120,20 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
     using WideTile = std::integral_constant<kern::BwdTileSize, kern::BwdTileSize::kWide>;
     using DqDirect = std::true_type;
     using DqApart = std::false_type;
-    // Every key in one tile of the compact tile: one dK/dV block per (batch, kv head, group part)
-    // visits each of its query tiles once, so it writes dQ itself (kDqDirect). The compact tile
-    // fits every GPU of the atom.
-    if (ceil_div(s.len_kv, kern::BwdConfig<Atom, D, V>::kBlockN) == 1) {
+    // Every key in one tile: the dK/dV kernel writes dQ itself (kDqDirect). The compact tile
+    // fits every GPU of the atom; the wide one, where the device holds it, takes more keys in
+    // one tile (has_direct_wide_bwd_tile).
+    if (kern::has_one_key_tile<kern::BwdConfig<Atom, D, V>>(s.len_kv)) {
       return run(One{}, CompactTile{}, DqDirect{});
     }
     const int smem = device_smem_optin();
     if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
-      if (kern::BwdConfig<Atom, D, V, 2, kern::BwdTileSize::kWide>::kSmemBytes <= smem) {
+      using WideCfg = kern::BwdConfig<Atom, D, V, 2, kern::BwdTileSize::kWide>;
+      if (WideCfg::kSmemBytes <= smem) {
+        constexpr bool kDirect = kern::has_direct_wide_bwd_tile<Atom, D, V>();
+        if (kDirect && kern::has_one_key_tile<WideCfg>(s.len_kv)) {
+          return run(Two{}, WideTile{}, std::bool_constant<kDirect>{});
+        }
         return run(Two{}, WideTile{}, DqApart{});
       }
     }

@@ -246,6 +246,13 @@ constexpr __host__ __device__ bool has_wide_bwd_tile() {
   return Atom::kAsyncCopy && ((kHeadDim == 128 && !is_general(kVariant)) ||
                               (kHeadDim == 64 && kVariant == Variant::kPlain) || kHeadDim == 256);
 }
+// The wide tile's one-key-tile kernel (kDqDirect: dK/dV and dQ in one launch, flash_bwd.cuh),
+// where it takes more keys than the compact tile (head dims 128 and 256); the general variants
+// at head dim 256 spill 24-88 bytes there (sm_80, scripts/nvrtc_gate.py).
+template <class Atom, int kHeadDim, Variant kVariant>
+constexpr __host__ __device__ bool has_direct_wide_bwd_tile() {
+  return has_wide_bwd_tile<Atom, kHeadDim, kVariant>() && kHeadDim >= 128 && !is_general(kVariant);
+}
 template <class Atom, int kHeadDim, bool kSmall, BwdTileSize kSize = BwdTileSize::kCompact>
 struct BwdTile;
 // Whether a variant takes its atom's smaller tile (kSmall): those other than plain, where the

@@ -498,6 +498,13 @@ struct KvGroupSplit {
   float* dv;
 };
 
+// Whether Cfg's dK/dV grid over `len_kv` keys has one key tile: then one block per (batch, kv
+// head, group part) visits each of its query tiles once and writes dQ itself (kDqDirect).
+template <class Cfg>
+__host__ __device__ constexpr bool has_one_key_tile(int64_t len_kv) {
+  return 0 < len_kv && len_kv <= Cfg::kBlockN;
+}
+
 // kDqDirect: rows [r_begin, r_end) of query head h that no step of the dK/dV kernel visits (no key
 // is visible to them) get dQ = 0, as the zeroed workspace of the atomic path leaves them.
 template <int kThreads>

@@ -66,6 +66,12 @@ namespace kern {
   template __global__ void                                                                      \
   flash_bwd_dq_convert_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(                      \
       const BackwardParams, const float*);
+// Its one-key-tile kernel too (configs.cuh, has_direct_wide_bwd_tile).
+#define FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Elem, D, V)                               \
+  FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, D, V)                                       \
+  template __global__ void                                                                      \
+  flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide, true>(                   \
+      const BackwardParams, float*, float*, const KvGroupSplit, bool);
 #define FLASHV100_INSTANTIATE_AMPERE(Elem, D)                                                   \
   FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Elem, D)                                          \
   FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Elem, D)                                             \
@@ -103,17 +109,17 @@ FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_BF16)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 64, Variant::kPlain)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 64, Variant::kPlain)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 128, Variant::kPlain)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 128, Variant::kDropout)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 128, Variant::kPlain)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 128, Variant::kDropout)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 256, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Fp16, 128, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Fp16, 128, Variant::kDropout)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Bf16, 128, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Bf16, 128, Variant::kDropout)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Fp16, 256, Variant::kPlain)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 256, Variant::kMasked)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 256, Variant::kDropout)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Fp16, 256, Variant::kDropout)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 256, Variant::kMaskedDropout)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 256, Variant::kPlain)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Bf16, 256, Variant::kPlain)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 256, Variant::kMasked)
-FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 256, Variant::kDropout)
+FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Bf16, 256, Variant::kDropout)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 256, Variant::kMaskedDropout)
 #endif
 
