@@ -20,6 +20,7 @@ SHAPES = [  # (B, Hq, Hkv, L, S, E, causal_mode)
     (1, 2, 2, 33, 17, 40, 1),
     (2, 2, 1, 17, 70, 136, 2),
     (1, 1, 1, 65, 33, 256, 1),
+    (1, 2, 1, 40, 100, 96, 2),  # keys in one wide backward tile, two compact ones (sm_90)
 ]
 
 
