@@ -118,8 +118,9 @@ def assert_lse_close(lse, reference_lse, atol):
 
 def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q=40, len_kv=56,
              head_dim=64, bf16=False, causal=0, window=(-1, -1), softcap=0.0, mask=None,
-             dropout_p=0.0, decode_tile=False, backward=True, deterministic=False, bwd_stages=1,
-             bwd_wide=False, kv_group_parts=1, scale=None, seed=0):
+             dropout_p=0.0, decode_tile=False, narrow_tile=False, backward=True,
+             deterministic=False, bwd_stages=1, bwd_wide=False, kv_group_parts=1, scale=None,
+             seed=0):
     dtype = torch.bfloat16 if bf16 else torch.float16
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads_q, len_q, head_dim, generator=g).to(dtype)
@@ -130,7 +131,8 @@ def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q
                 head_dim=head_dim, bf16=int(bf16), scale=head_dim ** -0.5 if scale is None else scale,
                 causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
                 mask=int(mask is not None), dropout_p=dropout_p, seed=1234 + seed, offset=64,
-                decode_tile=int(decode_tile), backward=int(backward),
+                decode_tile=int(decode_tile), narrow_tile=int(narrow_tile),
+                backward=int(backward),
                 deterministic=int(deterministic), bwd_stages=bwd_stages, bwd_wide=int(bwd_wide),
                 kv_group_parts=kv_group_parts)
     tensors = dict(q=q, k=k, v=v, dout=dout)
@@ -265,6 +267,19 @@ def test_wide_tile_one_key_tile(emulators, tmp_path, head_dim, variant, len_q, l
              dropout_p=0.15 if variant == "dropout" else 0.0, bwd_stages=2, bwd_wide=True)
 
 
+# The prefill tile of grids too small for the 128-row tile: the narrow tile (query tiles of 64
+# rows, a partial last one) where the variant has one, else the wide tile (128, mask).
+@pytest.mark.parametrize("head_dim, variant", [
+    (32, "mask+dropout"), (64, "plain"), (64, "mask"), (64, "dropout"), (128, "plain"),
+    (128, "mask")])
+def test_narrow_prefill_tile(emulators, tmp_path, head_dim, variant):
+    length = 150
+    mask = left_padding_mask(1, 2, length, [21]) if "mask" in variant else None
+    run_case(emulators, tmp_path, atom="AmpereAtom", head_dim=head_dim, narrow_tile=True,
+             len_q=length, len_kv=length, heads_kv=2, causal=2, mask=mask,
+             dropout_p=0.15 if "dropout" in variant else 0.0)
+
+
 @pytest.mark.parametrize("len_q, causal, heads_q, heads_kv", [
     (1, 0, 4, 1), (5, 2, 2, 2), (32, 2, 4, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -283,7 +298,7 @@ def test_decode_tile(emulators, tmp_path, atom, head_dim, len_q, causal, heads_q
 def test_fuzz_shapes_and_options(emulators, tmp_path_factory, atom, head_dim, len_q, len_kv,
                                  heads_kv, group, causal, mask, dropout, deterministic, data):
     """Random shapes and options, in the tile the launchers pick (the decode tile for at most 32
-    query rows without dropout)."""
+    query rows without dropout, else the prefill tile of a small grid)."""
     batch, heads_q = 2, heads_kv * group
     g = torch.Generator().manual_seed(len_q * 1000 + len_kv)
     bias = None
@@ -297,7 +312,7 @@ def test_fuzz_shapes_and_options(emulators, tmp_path_factory, atom, head_dim, le
     run_case(emulators, tmp_path_factory.mktemp("fuzz"), atom=atom, batch=batch,
              heads_q=heads_q, heads_kv=heads_kv, len_q=len_q, len_kv=len_kv, head_dim=head_dim,
              causal=causal, mask=bias, dropout_p=0.15 if dropout else 0.0, decode_tile=decode,
-             deterministic=deterministic, seed=len_q + len_kv)
+             narrow_tile=not decode, deterministic=deterministic, seed=len_q + len_kv)
 
 
 def test_a_broken_kernel_fails(emulators, tmp_path, monkeypatch):

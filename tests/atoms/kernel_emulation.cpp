@@ -10,8 +10,8 @@
 //   c++ -std=c++17 -O1 -Icsrc -Itests/atoms -DEMULATED_ATOM=VoltaAtom (or AmpereAtom)
 //       -DEMULATED_HEAD_DIM=128 tests/atoms/kernel_emulation.cpp && ./a.out DIR
 // DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim bf16 scale causal
-// window_left window_right softcap mask dropout_p seed offset decode_tile backward deterministic
-// bwd_stages bwd_wide kv_group_parts: with kv_group_parts > 1 the dK/dV kernel runs that many parts
+// window_left window_right softcap mask dropout_p seed offset decode_tile [narrow_tile] backward
+// deterministic bwd_stages bwd_wide kv_group_parts: with kv_group_parts > 1 the dK/dV kernel runs that many parts
 // of each GQA group, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw little-endian: q [B,
 // Hq, Lq, d], k / v [B, Hkv, Lkv, d], dout like q (fp16 or bf16); mask [B, Hq, Lq, Lkv] fp32
 // (additive; "mask 1"). Writes out (like q), lse [B, Hq, Lq] (fp32) and with "backward 1" dq, dk,
@@ -136,10 +136,18 @@ ForwardParams forward_params(const std::map<std::string, double>& c, std::vector
   return p;
 }
 
-// The forward kernel of p in the prefill or the decode tile (forward_launch.cuh): one block per
-// (query tile, batch * query head, split); K / V through a block table where p has one.
+// The forward tile a case asks for: "decode_tile 1", "narrow_tile 1" (the prefill tile of a small
+// grid: narrow where there is one), else the prefill tile.
+kern::FwdShape forward_tile(const std::map<std::string, double>& c) {
+  if (c.at("decode_tile") != 0) return kern::FwdShape::kDecode;
+  if (c.count("narrow_tile") != 0 && c.at("narrow_tile") != 0) return kern::FwdShape::kNarrowPrefill;
+  return kern::FwdShape::kPrefill;
+}
+
+// The forward kernel of p in the prefill, narrow prefill or decode tile (forward_launch.cuh): one
+// block per (query tile, batch * query head, split); K / V through a block table where p has one.
 template <class Elem, Variant V>
-void run_forward(const ForwardParams& p, bool decode_tile) {
+void run_forward(const ForwardParams& p, kern::FwdShape tile) {
   constexpr int D = kBucket;
   const auto forward = [&](auto shape, auto paged) {
     constexpr kern::FwdShape kShape = decltype(shape)::value;
@@ -156,11 +164,22 @@ void run_forward(const ForwardParams& p, bool decode_tile) {
       forward(shape, std::false_type{});
     }
   };
-  if (!decode_tile) {
-    in_tile(std::integral_constant<kern::FwdShape, kern::FwdShape::kPrefill>{});
+  using kern::FwdShape;
+  if (tile == FwdShape::kPrefill) {
+    in_tile(std::integral_constant<FwdShape, FwdShape::kPrefill>{});
+  } else if (tile == FwdShape::kNarrowPrefill) {
+    // The launcher's prefill tile for a grid that leaves SMs idle (uses_narrow_prefill_tile): the
+    // narrow one where the atom, head dim and variant have it and K/V are contiguous.
+    if constexpr (kern::has_narrow_prefill_tile<Atom, D, V>()) {
+      if (p.kvcache.block_table == nullptr) {
+        return forward(std::integral_constant<FwdShape, FwdShape::kNarrowPrefill>{},
+                       std::false_type{});
+      }
+    }
+    in_tile(std::integral_constant<FwdShape, FwdShape::kPrefill>{});
   } else if constexpr (kern::has_decode_tile<Atom>(D) && !kern::has_dropout(V)) {
     if (p.shape.len_q > kern::kDecodeRows) unsupported("the decode tile takes at most 32 rows");
-    in_tile(std::integral_constant<kern::FwdShape, kern::FwdShape::kDecode>{});
+    in_tile(std::integral_constant<FwdShape, FwdShape::kDecode>{});
   } else {
     unsupported("no decode tile for this atom, head dim and variant");
   }
@@ -238,7 +257,7 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   p.dropout.seed = static_cast<uint64_t>(c.at("seed"));
   p.dropout.offset = static_cast<uint64_t>(c.at("offset"));
 
-  run_forward<Elem, V>(p, c.at("decode_tile") != 0);
+  run_forward<Elem, V>(p, forward_tile(c));
   write_tensor(dir + "/out", out);
   write_tensor(dir + "/lse", lse);
   if (c.at("backward") == 0) return;
@@ -393,7 +412,7 @@ void run_kvcache(const std::map<std::string, double>& c, const std::string& dir)
     p.split.out_accum = out_accum.data();
     p.split.lse_accum = lse_accum.data();
   }
-  run_forward<Elem, V>(p, decode_tile);
+  run_forward<Elem, V>(p, forward_tile(c));
   if (p.split.num_splits > 1)
     launch(dim3{grid(ceil_div(rows, kern::kCombineWarps)), 1, 1}, kern::kCombineWarps * 32,
            kern::split_kv_combine_kernel<Elem>, p);

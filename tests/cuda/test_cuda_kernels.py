@@ -7,6 +7,9 @@ must stay within a small multiple of plain PyTorch math's error in the same dtyp
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,6 +103,34 @@ def test_gqa_backward_grids(atom, batch, heads_kv, length):
     dout = torch.randn(q.shape, device=q.device, dtype=q.dtype)
     _, _, _, dk_again, dv_again = fused(q, k, v, 1, dout=dout)
     assert torch.equal(dk, dk_again) and torch.equal(dv, dv_again)
+
+
+# The prefill tile by grid size (uses_narrow_prefill_tile): on sm_80+, 64-row blocks where the
+# 128-row tile would leave SMs idle, 128-row ones where its grid fills the GPU. Both exact.
+@pytest.mark.parametrize("batch, heads", [(1, 2), (8, 40)], ids=["small_grid", "full_grid"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_prefill_tile_by_grid(atom, batch, heads, head_dim):
+    check(*qkv(batch, heads, heads, 200, 200, head_dim), causal_mode=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                    reason="the narrow prefill tile is the native sm_80+ atom's")
+def test_prefill_tile_choice_by_grid():
+    """Which tile runs (FLASHV100_DEBUG's kernel log, read once per process: a child process)."""
+    code = (
+        "import torch, torch_flash_v100 as tfv\n"
+        "for b, h in ((1, 2), (8, 40)):\n"
+        "    q = torch.randn(b, h, 200, 64, device='cuda', dtype=torch.float16)\n"
+        "    torch.ops.flashv100._attention_forward(q, q, q, None, 0.0, 0, 0.125)\n"
+        "    torch.cuda.synchronize()\n"
+        "    print('grid done', flush=True)\n")
+    env = dict(os.environ, FLASHV100_DEBUG="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    tiles = [line.split("tile ")[1].split(",")[0] for line in res.stderr.splitlines()
+             if "flash_fwd" in line and "tile " in line]
+    assert tiles == ["64 x 64", "128 x 64"], res.stderr
+    assert "flash_fwd (narrow)" in res.stderr
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

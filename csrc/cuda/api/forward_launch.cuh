@@ -19,6 +19,8 @@ namespace cuda {
 // Calls f(kernel, Cfg{}, name) with the kernel of shape S that runs p and its configuration.
 // Paged KV caches run the kPaged kernels, compiled for the variants a KV cache takes (no mask, no
 // dropout); the decode tile takes no dropout and exists where has_decode_tile (uses_decode_tile).
+// The prefill shape runs the narrow tile where the wide one would leave SMs idle
+// (uses_narrow_prefill_tile).
 template <kern::FwdShape S, int kBucket, class F>
 void with_forward_kernel(MmaAtom atom, at::ScalarType dtype, const ForwardParams& p, F&& f) {
   constexpr bool kDecode = S == kern::FwdShape::kDecode;
@@ -29,6 +31,15 @@ void with_forward_kernel(MmaAtom atom, at::ScalarType dtype, const ForwardParams
     using E = decltype(elem_tag);
     constexpr int D = decltype(dim)::value;
     constexpr kern::Variant V = decltype(variant)::value;
+    if constexpr (!kDecode && kern::has_narrow_prefill_tile<A, D, V>()) {
+      const int64_t wide_blocks = ceil_div(p.shape.len_q, kern::FwdConfig<A, D, V>::kBlockM) *
+                                  p.shape.batch * p.shape.heads_q * p.split.num_splits;
+      if (!paged && kern::uses_narrow_prefill_tile(wide_blocks, device_sm_count())) {
+        constexpr kern::FwdShape kNarrow = kern::FwdShape::kNarrowPrefill;
+        return f(kern::flash_fwd_kernel<A, E, D, V, false, kNarrow>,
+                 kern::FwdConfig<A, D, V, kNarrow>{}, "flash_fwd (narrow)");
+      }
+    }
     if constexpr (kDecode && !kern::has_decode_tile<A>(D)) {
       TORCH_CHECK(false, "flashv100: no decode tile for head dim ", D, " on this atom");
     } else if constexpr (V == kern::Variant::kPlain || V == kern::Variant::kMasked) {

@@ -47,7 +47,9 @@ constexpr __host__ __device__ const char* variant_name(Variant v) {
 // several fit per SM, so that enough K/V loads are in flight to stream the cache at memory
 // bandwidth and no warp multiplies only empty rows (a prefill tile there leaves most rows empty:
 // its MMAs on them alone would bound the speed).
-enum class FwdShape { kPrefill, kDecode };
+// kNarrowPrefill: the prefill tile at 16 rows a warp (64-row blocks) for atoms whose prefill tile
+// is 128 rows wide, for grids too small to give every SM a block (has_narrow_prefill_tile).
+enum class FwdShape { kPrefill, kDecode, kNarrowPrefill };
 constexpr int kDecodeRows = 32;
 
 // Prefill: each warp owns kBlockM / kWarps query rows and the whole key tile.
@@ -60,8 +62,8 @@ constexpr int kDecodeRows = 32;
 template <class Atom, int kHeadDim, Variant kVariant, FwdShape kShape = FwdShape::kPrefill,
           bool kPaged = false>
 struct FwdTile {
-  static constexpr bool kWide =
-      Atom::kAccumIsA && (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
+  static constexpr bool kWide = kShape == FwdShape::kPrefill && Atom::kAccumIsA &&
+                                (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
   static constexpr int kWarps = 4;
   static constexpr int kKeyWarps = 1;  // warps that split a key tile (each its own rows here)
   static constexpr int kBlockM = kWide ? 128 : 64;
@@ -99,6 +101,22 @@ struct FwdTile {
   static constexpr bool kQInRegisters = Atom::kNativeArch < 800 && kHeadDim <= 128;
   static constexpr bool kSwizzledQKV = false;
 };
+
+// A wide prefill tile's one block per 128 query rows leaves most SMs idle in small grids (one head
+// of 128 queries: one block): there the narrow tile of 64 rows runs twice the blocks, each with
+// half the rows (launch: uses_narrow_prefill_tile). Contiguous K/V only (paged prefill keeps the
+// wide tile).
+template <class Atom, int kHeadDim, Variant kVariant>
+constexpr __host__ __device__ bool has_narrow_prefill_tile() {
+  return FwdTile<Atom, kHeadDim, kVariant>::kWide;
+}
+// Whether a grid of `wide_blocks` wide prefill blocks runs in the narrow tile: where each of
+// twice as many blocks still has an SM of its own, so that halving a block's rows halves the
+// step's time (a busier grid gains nothing from the split: two narrow blocks on one SM do a
+// wide block's work, less efficiently).
+constexpr __host__ __device__ bool uses_narrow_prefill_tile(int64_t wide_blocks, int sm_count) {
+  return 2 * wide_blocks <= sm_count;
+}
 
 // The Volta atom's decode tile at head dim 256 spilled (its B fragments, and V then staged
 // transposed; not tried since V is staged as loaded): the prefill tile runs there.
@@ -197,7 +215,9 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape, kPaged> {
   static constexpr int kMinBlocks = 0;
 #endif
   // Where kMinBlocks asks for none: paged kernels ask for one block, else ptxas spills the
-  // general variant's page addressing to fit a third; the contiguous decode tile at head dim 32
+  // general variant's page addressing to fit a third; so does the narrow prefill tile, whose
+  // grids have at most one block an SM (ptxas' own choice spilled 8 bytes of the mask + dropout
+  // variant at head dim 32, sm_80); the contiguous decode tile at head dim 32
   // asks for 4 (at most 128 registers), where ptxas' own choice, 96, spilled 4-8 bytes (Volta
   // plain on sm_70, Ampere masked on sm_80); Volta prefill tiles of which a V100's 96 KB hold
   // at most two blocks (head dims 64-256) ask for that many, where ptxas' own choice at head dim
@@ -206,6 +226,7 @@ struct FwdConfig : FwdTile<Atom, kHeadDim_, kVariant, kShape, kPaged> {
   static constexpr int min_blocks() {
     return kMinBlocks != 0                                  ? kMinBlocks
            : kPaged                                         ? 1
+           : kShape == FwdShape::kNarrowPrefill             ? 1
            : kShape == FwdShape::kDecode && kHeadDim_ == 32 ? 4
            : Atom::kNativeArch < 800 && kShape == FwdShape::kPrefill && kVoltaResidentBlocks <= 2
                ? kVoltaResidentBlocks

@@ -72,6 +72,15 @@ namespace kern {
   template __global__ void                                                                      \
   flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide, true>(                   \
       const BackwardParams, float*, float*, const KvGroupSplit, bool);
+// The narrow prefill tile (configs.cuh, has_narrow_prefill_tile).
+#define FLASHV100_INSTANTIATE_NARROW_PREFILL(Elem, D, V)                                        \
+  template __global__ void                                                                      \
+  flash_fwd_kernel<AmpereAtom, Elem, D, V, false, FwdShape::kNarrowPrefill>(const ForwardParams);
+#define FLASHV100_INSTANTIATE_NARROW_PREFILL_ALL(Elem, D)                 \
+  FLASHV100_INSTANTIATE_NARROW_PREFILL(Elem, D, Variant::kPlain)          \
+  FLASHV100_INSTANTIATE_NARROW_PREFILL(Elem, D, Variant::kMasked)         \
+  FLASHV100_INSTANTIATE_NARROW_PREFILL(Elem, D, Variant::kDropout)        \
+  FLASHV100_INSTANTIATE_NARROW_PREFILL(Elem, D, Variant::kMaskedDropout)
 #define FLASHV100_INSTANTIATE_AMPERE(Elem, D)                                                   \
   FLASHV100_INSTANTIATE_ATTENTION(AmpereAtom, Elem, D)                                          \
   FLASHV100_INSTANTIATE_DECODE(AmpereAtom, Elem, D)                                             \
@@ -107,6 +116,12 @@ template __global__ void kvcache_append_kernel<Bf16>(const KVAppendParams);
 template __global__ void split_kv_combine_kernel<Bf16>(const ForwardParams);
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_FP16)
 FLASHV100_FOR_EACH_HEAD_DIM(FLASHV100_INSTANTIATE_AMPERE_BF16)
+FLASHV100_INSTANTIATE_NARROW_PREFILL_ALL(Fp16, 32)
+FLASHV100_INSTANTIATE_NARROW_PREFILL_ALL(Bf16, 32)
+FLASHV100_INSTANTIATE_NARROW_PREFILL_ALL(Fp16, 64)
+FLASHV100_INSTANTIATE_NARROW_PREFILL_ALL(Bf16, 64)
+FLASHV100_INSTANTIATE_NARROW_PREFILL(Fp16, 128, Variant::kPlain)
+FLASHV100_INSTANTIATE_NARROW_PREFILL(Bf16, 128, Variant::kPlain)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Fp16, 64, Variant::kPlain)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Bf16, 64, Variant::kPlain)
 FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Fp16, 128, Variant::kPlain)
