@@ -11,13 +11,13 @@
 //       -DEMULATED_HEAD_DIM=128 tests/atoms/kernel_emulation.cpp && ./a.out DIR
 // DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim bf16 scale causal
 // window_left window_right softcap mask dropout_p seed offset decode_tile [narrow_tile] backward
-// deterministic bwd_stages bwd_wide kv_group_parts: with kv_group_parts > 1 the dK/dV kernel runs that many parts
-// of each GQA group, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw little-endian: q [B,
-// Hq, Lq, d], k / v [B, Hkv, Lkv, d], dout like q (fp16 or bf16); mask [B, Hq, Lq, Lkv] fp32
-// (additive; "mask 1"). Writes out (like q), lse [B, Hq, Lq] (fp32) and with "backward 1" dq, dk,
-// dv. Exits with 3 for a configuration the launchers never run (e.g. two query buffers on the Volta
-// atom). Shared memory is filled with NaN before each block, so that a read of anything a block did
-// not write shows up in its results.
+// deterministic bwd_stages bwd_wide kv_group_parts: with kv_group_parts > 1 the dK/dV kernel runs
+// that many parts of each GQA group, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw
+// little-endian: q [B, Hq, Lq, d], k / v [B, Hkv, Lkv, d], dout like q (fp16 or bf16); mask [B, Hq,
+// Lq, Lkv] fp32 (additive; "mask 1"). Writes out (like q), lse [B, Hq, Lq] (fp32) and with
+// "backward 1" dq, dk, dv. Exits with 3 for a configuration the launchers never run (e.g. two query
+// buffers on the Volta atom). Shared memory is filled with NaN before each block, so that a read of
+// anything a block did not write shows up in its results.
 //
 // "kvcache 1" runs flash_attn_with_kvcache's kernels instead (launch_kvcache.cu): k / v are the
 // caches, [cache_batch, cache_rows, Hkv, d] (paged: cache_batch pages of cache_rows rows, with
@@ -140,7 +140,9 @@ ForwardParams forward_params(const std::map<std::string, double>& c, std::vector
 // grid: narrow where there is one), else the prefill tile.
 kern::FwdShape forward_tile(const std::map<std::string, double>& c) {
   if (c.at("decode_tile") != 0) return kern::FwdShape::kDecode;
-  if (c.count("narrow_tile") != 0 && c.at("narrow_tile") != 0) return kern::FwdShape::kNarrowPrefill;
+  if (c.count("narrow_tile") != 0 && c.at("narrow_tile") != 0) {
+    return kern::FwdShape::kNarrowPrefill;
+  }
   return kern::FwdShape::kPrefill;
 }
 

@@ -208,11 +208,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_forward_cuda(
   at::Tensor out = at::empty_like(query);
   at::Tensor lse = allocate_flash_lse(args);
   ForwardParams params = make_flash_forward_params(args, out, lse);
+  const bool no_query = flash_has_no_query(args), no_key = flash_has_no_key(args);
   // The forward kernel runs unless there is no query or no key (or check_flash_fused throws).
-  at::Tensor rng_state = forward_rng_state(
-      query, dropout_p, params.dropout, !flash_has_no_query(args) && !flash_has_no_key(args));
-  if (flash_has_no_query(args)) return {out, lse, rng_state};
-  if (flash_has_no_key(args)) {
+  at::Tensor rng_state = forward_rng_state(query, dropout_p, params.dropout, !no_query && !no_key);
+  if (no_query) return {out, lse, rng_state};
+  if (no_key) {
     debug_log(op, "no key", nullptr);
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());

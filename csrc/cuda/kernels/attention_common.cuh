@@ -248,9 +248,6 @@ struct HeadMask {
   }
 };
 
-// Dropout on attention probabilities with the Philox keep bits of common/philox.h (the kDropout
-// kernel variants; p > 0). Seed and offset come from device memory when the launcher passes
-// pointers (CUDA graph capture, and the backward reading the forward's rng_state).
 // The Philox seed and offset of a dropout stream: given, or read from the generator's device
 // state where a CUDA graph captured the step.
 __device__ __forceinline__ uint64_t dropout_seed(const DropoutParams& d) {
@@ -268,6 +265,9 @@ __device__ __forceinline__ void write_rng_state(const DropoutParams& d) {
   d.rng_state_out[1] = static_cast<int64_t>(dropout_offset(d));
 }
 
+// Dropout on attention probabilities with the Philox keep bits of common/philox.h (the kDropout
+// kernel variants; p > 0). Seed and offset come from device memory when the launcher passes
+// pointers (CUDA graph capture, and the backward reading the forward's rng_state).
 struct Dropout {
   const DropoutParams& params;  // a kernel parameter: read where used, holding no register
   DropoutStream stream;

@@ -62,8 +62,9 @@ constexpr int kDecodeRows = 32;
 template <class Atom, int kHeadDim, Variant kVariant, FwdShape kShape = FwdShape::kPrefill,
           bool kPaged = false>
 struct FwdTile {
-  static constexpr bool kWide = kShape == FwdShape::kPrefill && Atom::kAccumIsA &&
-                                (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
+  static constexpr bool kWide =
+      kShape == FwdShape::kPrefill && Atom::kAccumIsA &&
+      (kHeadDim < 128 || (kHeadDim == 128 && kVariant == Variant::kPlain));
   static constexpr int kWarps = 4;
   static constexpr int kKeyWarps = 1;  // warps that split a key tile (each its own rows here)
   static constexpr int kBlockM = kWide ? 128 : 64;

@@ -67,7 +67,7 @@ namespace kern {
   flash_bwd_dq_convert_kernel<AmpereAtom, Elem, D, V, BwdTileSize::kWide>(                      \
       const BackwardParams, const float*);
 // Its one-key-tile kernel too (configs.cuh, has_direct_wide_bwd_tile).
-#define FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Elem, D, V)                               \
+#define FLASHV100_INSTANTIATE_WIDE_BACKWARD_DIRECT(Elem, D, V)                                  \
   FLASHV100_INSTANTIATE_WIDE_BACKWARD_VARIANT(Elem, D, V)                                       \
   template __global__ void                                                                      \
   flash_bwd_dkdv_kernel<AmpereAtom, Elem, D, V, 2, BwdTileSize::kWide, true>(                   \
