@@ -340,6 +340,14 @@ struct BwdTile<AmpereAtom, 256, G, BwdTileSize::kWide>
 // them, like the wide tile, by the device's shared-memory opt-in (at most sm_90's 227 KB).
 constexpr int kBwdLargestSmemBytes = 227 * 1024;
 
+// The one-key-tile dK/dV kernel (kDqDirect, flash_bwd.cuh) computes its rows' D (and the general
+// variant's P base and normalizer) itself, in place of the D pre-pass, where its warps take at
+// most kDirectRowRounds rounds of rows (each round a memory latency, where the pre-pass spreads
+// the rows over the GPU): a round is one row a warp in the general variant, 32 / kDotLanes in
+// the others (kDotLanes lanes a row).
+constexpr int kDirectRowRounds = 2;
+constexpr int kDotLanes = 4;
+
 template <class Atom, int kHeadDim_, Variant kVariant, int kQStages_ = 1,
           BwdTileSize kSize_ = BwdTileSize::kCompact>
 struct BwdConfig : BwdTile<Atom, kHeadDim_, takes_small_bwd_tile<Atom, kHeadDim_, kVariant>(),
@@ -379,7 +387,14 @@ struct BwdConfig : BwdTile<Atom, kHeadDim_, takes_small_bwd_tile<Atom, kHeadDim_
   static constexpr int kDSOffset = kPOffset + T::kBlockM * kLdN;
   static constexpr int kRowVecByteOffset = (kDSOffset + T::kBlockM * kLdN) * 2;
   static constexpr int kRowVecs = kGeneral ? 3 : 2;
-  static constexpr int kSmemBytes = kRowVecByteOffset + kRowVecs * T::kBlockM * 4;
+  // Rows whose vectors a kDqDirect block computes itself, at most, and after the tile's row
+  // vectors a place for them: D, and the general variant's base and normalizer too (the plain
+  // base is the lse), of the rows of all the block's steps.
+  static constexpr int kDirectRows =
+      kDirectRowRounds * (kGeneral ? 1 : 32 / kDotLanes) * kThreads / 32;
+  static constexpr int kDirectRowVecs = kGeneral ? 3 : 1;
+  static constexpr int kDirectRowVecByteOffset = kRowVecByteOffset + kRowVecs * T::kBlockM * 4;
+  static constexpr int kSmemBytes = kDirectRowVecByteOffset + kDirectRowVecs * kDirectRows * 4;
   static_assert(kSmemBytes <= (kQStages == 1 && kSize == BwdTileSize::kCompact
                                    ? Atom::kMaxSmemBytes
                                    : kBwdLargestSmemBytes),

@@ -45,6 +45,36 @@ __device__ __forceinline__ int64_t row_vector_index(const ForwardParams& f, int6
                                                     int64_t i) {
   return (b * f.shape.heads_q + h) * f.shape.len_q + i;
 }
+
+// Where one query row's vectors go: its D, and for the general variant P's base and log2
+// normalizer (write_row_vectors).
+struct RowVectorSlots {
+  float *dsum, *base, *log2_norm;
+};
+
+// The row vectors a kDqDirect block computes itself (dkdv_computes_row_vectors), in shared memory
+// (BwdConfig::kDirectRows): row i of the block's j-th head at j * len_q + i. Plain variant: D
+// only (its base is the lse).
+template <class Cfg>
+struct DirectRowVectors {
+  float* dsum;
+  int64_t len_q;
+  int head_begin;
+
+  __device__ __forceinline__ DirectRowVectors(uint4* raw, int64_t len_q, int head_begin)
+      : dsum(reinterpret_cast<float*>(reinterpret_cast<char*>(raw) +
+                                      Cfg::kDirectRowVecByteOffset)),
+        len_q(len_q),
+        head_begin(head_begin) {}
+  __device__ __forceinline__ int64_t index(int h, int i) const {
+    return (h - head_begin) * len_q + i;
+  }
+  __device__ __forceinline__ RowVectorSlots slots(int h, int i) const {
+    const int64_t j = index(h, i);
+    if constexpr (!Cfg::kGeneral) return {dsum + j, nullptr, nullptr};
+    return {dsum + j, dsum + Cfg::kDirectRows + j, dsum + 2 * Cfg::kDirectRows + j};
+  }
+};
 __device__ __forceinline__ int64_t lse_index(const ForwardParams& f, const SequenceSpan& seq,
                                              int64_t b, int64_t h, int64_t i) {
   return b * f.lse_layout.batch + h * f.lse_layout.head + seq.q_start + i;
@@ -54,7 +84,9 @@ __device__ __forceinline__ int64_t lse_index(const ForwardParams& f, const Seque
 // fetched into registers when the tile's loads are issued and written to shared memory just
 // before the barrier that publishes the tile, so that the global loads' latency overlaps the
 // work in between (loading straight into shared memory would stall those warps at the load).
-// Rows past the end get row_base = +inf so that their recomputed P is exactly 0.
+// Rows past the end get row_base = +inf so that their recomputed P is exactly 0. Where the block
+// computes the row vectors itself (DirectRowVectors), fetch reads only the plain variant's lse and
+// take_direct the rest, once they are computed.
 template <class Cfg>
 struct QueryRowVectors {
   static_assert(Cfg::kBlockM <= Cfg::kThreads, "one query row per thread");
@@ -62,19 +94,29 @@ struct QueryRowVectors {
 
   __device__ __forceinline__ void fetch(const BackwardParams& p, const float* dsum_all,
                                         const SequenceSpan& seq, int64_t b, int64_t h, int m0,
-                                        int tid) {
+                                        int tid, bool direct) {
     const ForwardParams& f = p.fwd;
     const int64_t row_index = row_vector_index(f, b, h, m0 + tid);
     base = pos_inf();
     dsum = log2_norm = 0.0f;
     if (m0 + tid >= seq.len_q) return;
+    if constexpr (!Cfg::kGeneral) base = f.lse[lse_index(f, seq, b, h, m0 + tid)];
+    if (direct) return;
     if constexpr (Cfg::kGeneral) {
       base = p.row_base[row_index];
       log2_norm = p.row_log2_norm[row_index];
-    } else {
-      base = f.lse[lse_index(f, seq, b, h, m0 + tid)];
     }
     dsum = dsum_all[row_index];
+  }
+  __device__ __forceinline__ void take_direct(const DirectRowVectors<Cfg>& direct,
+                                              const SequenceSpan& seq, int h, int m0, int tid) {
+    if (tid >= Cfg::kBlockM || m0 + tid >= seq.len_q) return;
+    const RowVectorSlots slots = direct.slots(h, m0 + tid);
+    dsum = *slots.dsum;
+    if constexpr (Cfg::kGeneral) {
+      base = *slots.base;
+      log2_norm = *slots.log2_norm;
+    }
   }
   __device__ __forceinline__ void commit(const BwdSmem<Cfg>& sm, int tid) const {
     if (tid >= Cfg::kBlockM) return;
@@ -85,17 +127,18 @@ struct QueryRowVectors {
 };
 
 // Q and dO of query rows [m0, m0 + kBlockM) of head h (by stage_tile: they land after
-// cp_async_wait_all), and that tile's row vectors into `rows` (to commit before the barrier).
+// cp_async_wait_all), and that tile's row vectors into `rows` (to commit before the barrier;
+// `direct`: QueryRowVectors::fetch).
 template <class Atom, class Cfg>
 __device__ __forceinline__ void load_query_side(const BwdSmem<Cfg>& sm, QueryRowVectors<Cfg>& rows,
                                                 const BackwardParams& p, const float* dsum,
                                                 const SequenceSpan& seq, int64_t b, int64_t h,
-                                                int m0, int tid) {
+                                                int m0, int tid, bool direct = false) {
   const ForwardParams& f = p.fwd;
   const int n_rows = static_cast<int>(seq.len_q) - m0;
   const int d = static_cast<int>(f.shape.head_dim);
   const int64_t q_row = seq.q_start + m0;
-  if (tid < Cfg::kBlockM) rows.fetch(p, dsum, seq, b, h, m0, tid);
+  if (tid < Cfg::kBlockM) rows.fetch(p, dsum, seq, b, h, m0, tid, direct);
   stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
       sm.q, Cfg::kLdE, head_ptr(f.q, f.q_strides, b, h, q_row), f.q_strides.row, n_rows, d, tid);
   stage_tile<Atom, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kThreads>(
@@ -403,15 +446,15 @@ struct DqWorkspaceRows {
 // (with dO = 0, P does not reach any gradient). The plain variant's scores are never biased that
 // far: it skips all of that.
 template <class Elem, bool kGeneral>
-__device__ __forceinline__ void write_row_vectors(const BackwardParams& p, float* dsum,
+__device__ __forceinline__ void write_row_vectors(const BackwardParams& p,
+                                                  const RowVectorSlots& out,
                                                   const SequenceSpan& seq, int64_t b, int64_t h,
                                                   int i, int lane) {
   const ForwardParams& f = p.fwd;
-  const int64_t row = row_vector_index(f, b, h, i);
   const uint16_t* g = head_ptr(p.dout, p.dout_strides, b, h, seq.q_start + i);
   const float d_row = warp_row_dot<Elem>(head_ptr(f.out, f.out_strides, b, h, seq.q_start + i), g,
                                          f.shape.head_dim, lane);
-  if (lane == 0) dsum[row] = d_row;
+  if (lane == 0) *out.dsum = d_row;
   if constexpr (!kGeneral) return;
   float base = f.lse[lse_index(f, seq, b, h, i)], log2_norm = 0.0f;
   if (fabsf(base) >= kSaturatedLse && fabsf(base) != pos_inf() &&
@@ -419,8 +462,8 @@ __device__ __forceinline__ void write_row_vectors(const BackwardParams& p, float
     recount_saturated_row<Elem>(p, b, h, i, lane, base, log2_norm);
   }
   if (lane == 0) {
-    p.row_base[row] = base;
-    p.row_log2_norm[row] = log2_norm;
+    *out.base = base;
+    *out.log2_norm = log2_norm;
   }
 }
 
@@ -441,7 +484,10 @@ __global__ void __launch_bounds__(128)
   const int64_t b = bh / f.shape.heads_q, h = bh % f.shape.heads_q;
   const SequenceSpan seq = batch_span(f, b);
   if (i >= seq.len_q) return;  // past this sequence's end (varlen), or a padded row
-  write_row_vectors<Elem, kGeneral>(p, dsum, seq, b, h, static_cast<int>(i), lane);
+  const int64_t row = row_vector_index(f, b, h, i);
+  const RowVectorSlots out{dsum + row, kGeneral ? p.row_base + row : nullptr,
+                           kGeneral ? p.row_log2_norm + row : nullptr};
+  write_row_vectors<Elem, kGeneral>(p, out, seq, b, h, static_cast<int>(i), lane);
 }
 
 // The fp32 dQ workspace of the atomic path, laid out the way the dK/dV kernel's warps hold dQ:
@@ -516,21 +562,15 @@ __device__ __forceinline__ void zero_dq_rows(const BackwardParams& p, const Sequ
     head_ptr(p.dq, p.dq_strides, b, h, seq.q_start + r_begin + i / d)[i % d] = 0;
   }
 }
-// The kDqDirect dK/dV kernel's D of the plain variant: kDotLanes lanes a row, 32 / kDotLanes rows
-// of a warp at once (write_dsum_rows).
-constexpr int kDotLanes = 4;
-// Whether the kDqDirect dK/dV kernel computes D itself over `len_q` queries and GQA groups of
-// `group` heads: where each warp has at most 2 rounds of rows (each round a memory latency, where
-// the pre-pass spreads the rows over the GPU), a round being one row a warp for the general
-// variant (write_row_vectors), 32 / kDotLanes for the plain one.
+// Whether the kDqDirect dK/dV kernel computes the row vectors itself over `len_q` queries and
+// GQA groups of `group` heads (DirectRowVectors): where they fit its BwdConfig::kDirectRows.
 template <class Cfg>
 __host__ __device__ inline bool dkdv_computes_row_vectors(int64_t group, int64_t len_q) {
-  constexpr int64_t kRounds = 2, kRowsPerRound = Cfg::kGeneral ? 1 : 32 / kDotLanes;
-  return group * len_q <= kRounds * kRowsPerRound * Cfg::kThreads / 32;
+  return group * len_q <= Cfg::kDirectRows;
 }
 
-// D of query rows [r_begin, r_end) of (b, h) (write_row_vectors' D, the plain variant's only row
-// vector), by warps of kThreads threads: kDotLanes lanes a row.
+// D of query rows [r_begin, r_end) of (b, h) into dsum[i] (write_row_vectors' D, the only row
+// vector the plain variant computes), by warps of kThreads threads: kDotLanes lanes a row.
 template <class Elem, int kThreads>
 __device__ __forceinline__ void write_dsum_rows(const BackwardParams& p, float* dsum,
                                                 const SequenceSpan& seq, int64_t b, int64_t h,
@@ -543,7 +583,7 @@ __device__ __forceinline__ void write_dsum_rows(const BackwardParams& p, float* 
     const float d_row = warp_row_dot<Elem, kDotLanes>(
         head_ptr(f.out, f.out_strides, b, h, q_row),
         head_ptr(p.dout, p.dout_strides, b, h, q_row), i < r_end ? f.shape.head_dim : 0, tid % 32);
-    if (i < r_end && tid % kDotLanes == 0) dsum[row_vector_index(f, b, h, i)] = d_row;
+    if (i < r_end && tid % kDotLanes == 0) dsum[i] = d_row;
   }
 }
 
@@ -551,8 +591,9 @@ __device__ __forceinline__ void write_dsum_rows(const BackwardParams& p, float* 
 // blockIdx.y, and dQ: with kDqDirect (where the grid has one key tile, so that one block visits
 // each of its heads' query tiles once and computes their whole dQ) written to p.dq as Elem, no
 // convert or dQ kernel after it, and with `computes_row_vectors` (dkdv_computes_row_vectors) the
-// rows' D too (write_row_vectors, in place of the D pre-pass): the backward of a short sequence
-// is then one launch, where launches take most of its time. Otherwise dQ is added by fp32
+// rows' D too, into shared memory (DirectRowVectors, in place of the D pre-pass) while the first
+// step's Q and dO load: the backward of a short sequence is then one launch, where launches take
+// most of its time. Otherwise dQ is added by fp32
 // atomics into dq_accum (a DqWorkspace), or not at all (null: the deterministic dQ kernel computes
 // it). (The two as one struct parameter made ptxas spill the wide sm_80 kernels.) kVariant: see
 // configs.cuh; kQStages: query-side buffers, kSize: the tile (BwdConfig). One block per SM is
@@ -616,36 +657,40 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
     while (h < head_end && n0 >= HeadMask(f.mask, b, h, f.shape.heads_q).key_end) ++h;
     return h;
   };
-  if constexpr (kDqDirect) {
-    // The steps' rows: whole query tiles from row_begin while they start before row_end, of the
-    // heads active_head does not skip. Their row vectors (computes_row_vectors: the D
-    // pre-pass's work) are written before any step reads them; the other rows' dQ is 0.
-    const int steps_begin = min(row_begin, vis.len_q);
-    const int steps_end =
-        row_begin < row_end ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
-                            : steps_begin;
-    for (int h = head_begin; h < head_end; ++h) {
-      const bool stepped = active_head(h) == h;
-      zero_dq_rows<Cfg::kThreads>(p, seq, b, h, 0, stepped ? steps_begin : vis.len_q, tid);
-      if (!stepped) continue;
-      zero_dq_rows<Cfg::kThreads>(p, seq, b, h, steps_end, vis.len_q, tid);
-      if (!computes_row_vectors) continue;
-      if constexpr (Cfg::kGeneral) {
-        for (int i = steps_begin + warp; i < steps_end; i += Cfg::kThreads / 32) {
-          write_row_vectors<Elem, true>(p, dsum, seq, b, h, i, lane);
-        }
-      } else {
-        write_dsum_rows<Elem, Cfg::kThreads>(p, dsum, seq, b, h, steps_begin, steps_end, tid);
-      }
-    }
-    __syncthreads();
-  }
   int h = row_begin < row_end ? active_head(head_begin) : head_end;
   int m0 = row_begin;
   int stage = 0;  // the query-side buffer of this step
   QueryRowVectors<Cfg> rows;
-  if (h < head_end) {
-    load_query_side<Atom>(BwdSmem<Cfg>(smem_raw, stage), rows, p, dsum, seq, b, h, m0, tid);
+  const bool direct_rows = kDqDirect && computes_row_vectors;
+  const DirectRowVectors<Cfg> direct(smem_raw, seq.len_q, head_begin);
+  if (h < head_end) {  // with direct_rows, loading while the row vectors are computed
+    load_query_side<Atom>(BwdSmem<Cfg>(smem_raw, stage), rows, p, dsum, seq, b, h, m0, tid,
+                          direct_rows);
+  }
+  if constexpr (kDqDirect) {
+    // The steps' rows: whole query tiles from row_begin while they start before row_end, of the
+    // heads active_head does not skip. Their row vectors (direct_rows: the D pre-pass's work)
+    // are written before any step takes them; the other rows' dQ is 0.
+    const int steps_begin = min(row_begin, vis.len_q);
+    const int steps_end =
+        row_begin < row_end ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
+                            : steps_begin;
+    for (int hq = head_begin; hq < head_end; ++hq) {
+      const bool stepped = active_head(hq) == hq;
+      zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, 0, stepped ? steps_begin : vis.len_q, tid);
+      if (!stepped) continue;
+      zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, steps_end, vis.len_q, tid);
+      if (!direct_rows) continue;
+      if constexpr (Cfg::kGeneral) {
+        for (int i = steps_begin + warp; i < steps_end; i += Cfg::kThreads / 32) {
+          write_row_vectors<Elem, true>(p, direct.slots(hq, i), seq, b, hq, i, lane);
+        }
+      } else {
+        write_dsum_rows<Elem, Cfg::kThreads>(p, direct.dsum + direct.index(hq, 0), seq, b, hq,
+                                             steps_begin, steps_end, tid);
+      }
+    }
+    __syncthreads();
   }
   while (h < head_end) {
     int next_h = h, next_m0 = m0 + kBlockM;
@@ -659,10 +704,11 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
     const auto load_next_query_side = [&] {
       if (next_h < head_end) {
         load_query_side<Atom>(BwdSmem<Cfg>(smem_raw, next_stage), rows, p, dsum, seq, b, next_h,
-                              next_m0, tid);
+                              next_m0, tid, direct_rows);
       }
     };
     cp_async_wait_all();
+    if (direct_rows) rows.take_direct(direct, seq, h, m0, tid);
     // The row vectors have one buffer: the last step read them before its second barrier.
     rows.commit(sm, tid);
     // This step's Q, dO, lse, D landed; the last step's P, dS and query-side buffer are consumed.
