@@ -1,6 +1,8 @@
-// Kernel-level timing of the fused attention kernels, without PyTorch: the forward and the backward
-// (the D pre-pass, which also zeroes the dQ workspace, then dK/dV with dQ by atomics, with one and
-// with two query-side buffers, and the wide tile where there is one) of each kernel variant
+// Kernel-level timing of the fused attention kernels, without PyTorch: the forward (and the narrow
+// prefill tile where the launcher picks it for this grid) and the backward (the D pre-pass, which
+// also zeroes the dQ workspace, then dK/dV with dQ by atomics, with one and with two query-side
+// buffers, and the wide tile where there is one; where one key tile holds every key, also the
+// one-key-tile kernel the launcher runs there, with its own D where it computes it) of each kernel variant
 // (plain, mask, dropout, mask + dropout; the mask variants run without a mask, i.e. they time the
 // general score math alone), Ampere atom, fp16, CUDA-event medians. Inputs are random; outputs are
 // not checked (the tests do that). It builds in seconds against a source tree, so kernel changes
@@ -147,6 +149,19 @@ void run(int batch, int heads, int len) {
                                   FCfg::kSmemBytes));
   const dim3 fwd_grid((len + FCfg::kBlockM - 1) / FCfg::kBlockM, batch * heads);
   const float fwd_ms = median_ms([&] { fwd<<<fwd_grid, FCfg::kThreads, FCfg::kSmemBytes>>>(p); });
+  int sm_count = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  float narrow_ms = 0.0f;
+  if constexpr (has_narrow_prefill_tile<AmpereAtom, E, V>()) {
+    if (uses_narrow_prefill_tile(static_cast<int64_t>(fwd_grid.x) * fwd_grid.y, sm_count)) {
+      using NCfg = FwdConfig<AmpereAtom, E, V, FwdShape::kNarrowPrefill>;
+      const auto narrow = flash_fwd_kernel<AmpereAtom, Fp16, E, V, false, FwdShape::kNarrowPrefill>;
+      CHECK_CUDA(cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      NCfg::kSmemBytes));
+      const dim3 grid((len + NCfg::kBlockM - 1) / NCfg::kBlockM, batch * heads);
+      narrow_ms = median_ms([&] { narrow<<<grid, NCfg::kThreads, NCfg::kSmemBytes>>>(p); });
+    }
+  }
 
   BackwardParams bp;
   bp.fwd = p;
@@ -191,6 +206,32 @@ void run(int batch, int heads, int len) {
   if constexpr (has_wide_bwd_tile<AmpereAtom, E, V>()) {
     wide_ms = bwd_ms(std::integral_constant<int, 2>{}, Wide{});
   }
+  // The one-key-tile kernel (kDqDirect) as the launcher picks it: the compact tile, else the wide
+  // one where it has one.
+  const auto one_key_tile_ms = [&](auto stages, auto size) {
+    constexpr int kStages = decltype(stages)::value;
+    constexpr BwdTileSize kSize = decltype(size)::value;
+    using Cfg = BwdConfig<AmpereAtom, E, V, kStages, kSize>;
+    const bool computes_row_vectors = dkdv_computes_row_vectors<Cfg>(1, len);
+    const DqWorkspaceRows no_ws{nullptr, len, 0};
+    const int64_t dsum_blocks = (static_cast<int64_t>(batch) * heads * len + 3) / 4;
+    const auto dkdv = flash_bwd_dkdv_kernel<AmpereAtom, Fp16, E, V, kStages, kSize, true>;
+    CHECK_CUDA(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Cfg::kSmemBytes));
+    return median_ms([&] {
+      if (!computes_row_vectors) dsum<<<dsum_blocks, 128>>>(bp, row_vectors, no_ws);
+      dkdv<<<dim3(1, batch * heads), Cfg::kThreads, Cfg::kSmemBytes>>>(
+          bp, row_vectors, nullptr, KvGroupSplit{1, nullptr, nullptr}, computes_row_vectors);
+    });
+  };
+  float one_tile_ms = 0.0f;
+  if (has_one_key_tile<BwdConfig<AmpereAtom, E, V>>(len)) {
+    one_tile_ms = one_key_tile_ms(std::integral_constant<int, 1>{}, Compact{});
+  } else if constexpr (has_direct_wide_bwd_tile<AmpereAtom, E, V>()) {
+    if (has_one_key_tile<BwdConfig<AmpereAtom, E, V, 2, BwdTileSize::kWide>>(len)) {
+      one_tile_ms = one_key_tile_ms(std::integral_constant<int, 2>{}, Wide{});
+    }
+  }
 
   const double fwd_flops = 4.0 * batch * heads * static_cast<double>(len) * len * E;
   const double bwd_flops = 2.5 * fwd_flops;
@@ -202,6 +243,8 @@ void run(int batch, int heads, int len) {
   if (wide_ms > 0.0f) {
     std::printf(", wide tile %.3f ms (%.0f TFLOP/s)", wide_ms, bwd_flops / wide_ms * 1e-9);
   }
+  if (narrow_ms > 0.0f) std::printf(", narrow fwd %.4f ms", narrow_ms);
+  if (one_tile_ms > 0.0f) std::printf(", one key tile %.4f ms", one_tile_ms);
   std::printf("\n");
 }
 
