@@ -20,8 +20,9 @@ namespace kern {
 template <class Cfg>
 struct BwdSmem {
   uint16_t *k, *v, *q, *dout, *p, *ds;
-  // Per query row: P's base (lse; general variant: BackwardParams::row_base), D, and for the
-  // general variant P's log2 normalizer (BackwardParams::row_log2_norm).
+  // Per query row: P's base (the lse in base 2, +inf for a row without a visible key; general
+  // variant: BackwardParams::row_base), D, and for the general variant P's log2 normalizer
+  // (BackwardParams::row_log2_norm).
   float *row_base, *dsum, *log2_norm;
 
   // Q and dO are those of query-side buffer `stage` (Cfg::kQStages).
@@ -118,9 +119,11 @@ struct QueryRowVectors {
       log2_norm = *slots.log2_norm;
     }
   }
+  // The plain variant's base goes in base 2, and +inf for rows without a visible key (lse -inf),
+  // so that every hidden score (-inf) maps to P = 0 without a test per entry.
   __device__ __forceinline__ void commit(const BwdSmem<Cfg>& sm, int tid) const {
     if (tid >= Cfg::kBlockM) return;
-    sm.row_base[tid] = base;
+    sm.row_base[tid] = Cfg::kGeneral ? base : base == neg_inf() ? pos_inf() : base * kLog2e;
     sm.dsum[tid] = dsum;
     if constexpr (Cfg::kGeneral) sm.log2_norm[tid] = log2_norm;
   }
@@ -250,8 +253,8 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     product(s, sm.q, sm.k);
     product(dp, sm.dout, sm.v);
   }
-  // Base (lse) and D of the rows this lane holds; the base in base 2 for the plain variant (one
-  // FMA per score), in natural-log units for the general one (scores - base first: finfo.min
+  // Base and D of the rows this lane holds; the base in base 2 for the plain variant (one FMA
+  // per score), in natural-log units for the general one (scores - base first: finfo.min
   // biases), which adds the row's log2 normalizer in the same FMA.
   const float log2_unit = scale * kLog2e;
   float base[Acc::kFragM][Atom::kRowSlots], log2_norm[Acc::kFragM][Atom::kRowSlots],
@@ -261,7 +264,7 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
 #pragma unroll
     for (int sl = 0; sl < Atom::kRowSlots; ++sl) {
       const int r = r0 + Acc::row_of(lane, fm, sl);
-      base[fm][sl] = Cfg::kGeneral ? sm.row_base[r] : sm.row_base[r] * kLog2e;
+      base[fm][sl] = sm.row_base[r];
       if constexpr (Cfg::kGeneral) log2_norm[fm][sl] = sm.log2_norm[r];
       dsum[fm][sl] = sm.dsum[r];
     }
@@ -276,12 +279,10 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
       head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
     }
     s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
-      if (x == neg_inf()) {
-        x = 0.0f;
-      } else if constexpr (Cfg::kGeneral) {
-        x = fast_exp2(fmaf(x - base[fm][sl], kLog2e, log2_norm[fm][sl]));
+      if constexpr (Cfg::kGeneral) {
+        x = x == neg_inf() ? 0.0f : fast_exp2(fmaf(x - base[fm][sl], kLog2e, log2_norm[fm][sl]));
       } else {
-        x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));
+        x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));  // 0 for -inf (base finite or +inf)
       }
     });
   }
