@@ -72,7 +72,8 @@ struct FwdTile {
   // half the block barriers and Q fragment loads per key of 32 keys, 4-5% faster on the H200
   // (kernel_bench, plain, 512-8k keys). It fits 255 registers since Visibility::hide keeps no
   // per-entry offsets; the paged kernel's page addressing still spilled 48 bytes (sm_80).
-  static constexpr bool kWideKeys = kWide && kHeadDim == 128 && !kPaged;
+  static constexpr bool kWideKeys =
+      (kWide || kShape == FwdShape::kNarrowPrefill) && kHeadDim == 128 && !kPaged;
   // Keys per tile for head dims 32 / 64 / 128 / 256, the largest without register spills
   // (scripts/nvrtc_gate.py). Head dim 256 takes 32 keys with contiguous K/V. Volta: S's warp tile
   // loads 3 fragments per 2 MMAs instead of 2 per 1; sm_70 shared-memory ceiling of the plain
