@@ -241,8 +241,12 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   Acc first, second;
   Acc& s = first;
   Acc& dp = kSplit ? first : second;
+  // A warp tile whose keys are all past the last one (a sequence's last key tile) skips its
+  // products: hide() below makes every entry -inf, so P = dS = 0 as computed.
+  const bool has_keys = n0 + c0 < vis.len_kv;
   const auto product = [&](Acc& acc, const uint16_t* a, const uint16_t* b) {
     acc.zero();
+    if (!has_keys) return;
     warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(
         acc, KMajor{a + r0 * Cfg::kLdE, Cfg::kLdE}, KMajor{b + c0 * Cfg::kLdE, Cfg::kLdE},
         k_extent, Cfg::kSCols, lane);
@@ -719,11 +723,15 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
     compute_p_ds<Atom, Elem, Cfg, true, true>(sm, head, dropout, scale, k_extent, m0, n0, warp,
                                               lane);
     __syncthreads();
-    // dV += P^T dO and dK += dS^T Q: reductions over the tile's query rows.
-    warp_gemm<Atom, Elem, kBlockM>(dv, MMajor{sm.p + kv_r0, Cfg::kLdN},
-                                   MMajor{sm.dout + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
-    warp_gemm<Atom, Elem, kBlockM>(dk, MMajor{sm.ds + kv_r0, Cfg::kLdN},
-                                   MMajor{sm.q + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
+    // dV += P^T dO and dK += dS^T Q: reductions over the tile's query rows (none for warps whose
+    // key rows are all past the last key: their dK and dV are not stored).
+    if (kv_r0 < vis.len_kv - n0) {
+      warp_gemm<Atom, Elem, kBlockM>(dv, MMajor{sm.p + kv_r0, Cfg::kLdN},
+                                     MMajor{sm.dout + kv_c0, kLdE}, kBlockM, n_extent - kv_c0,
+                                     lane);
+      warp_gemm<Atom, Elem, kBlockM>(dk, MMajor{sm.ds + kv_r0, Cfg::kLdN},
+                                     MMajor{sm.q + kv_c0, kLdE}, kBlockM, n_extent - kv_c0, lane);
+    }
     // One buffer: the next step's query side loads while dQ = dS K is computed (it reads only dS
     // and K), once every warp is done with this step's Q and dO.
     if constexpr (kQStages == 1) {
