@@ -46,6 +46,10 @@ __device__ __forceinline__ int64_t row_vector_index(const ForwardParams& f, int6
                                                     int64_t i) {
   return (b * f.shape.heads_q + h) * f.shape.len_q + i;
 }
+__device__ __forceinline__ int64_t lse_index(const ForwardParams& f, const SequenceSpan& seq,
+                                             int64_t b, int64_t h, int64_t i) {
+  return b * f.lse_layout.batch + h * f.lse_layout.head + seq.q_start + i;
+}
 
 // Where one query row's vectors go: its D, and for the general variant P's base and log2
 // normalizer (write_row_vectors).
@@ -76,10 +80,6 @@ struct DirectRowVectors {
     return {dsum + j, dsum + Cfg::kDirectRows + j, dsum + 2 * Cfg::kDirectRows + j};
   }
 };
-__device__ __forceinline__ int64_t lse_index(const ForwardParams& f, const SequenceSpan& seq,
-                                             int64_t b, int64_t h, int64_t i) {
-  return b * f.lse_layout.batch + h * f.lse_layout.head + seq.q_start + i;
-}
 
 // The row vectors of BwdSmem for one query tile, one row per thread of the first kBlockM:
 // fetched into registers when the tile's loads are issued and written to shared memory just
