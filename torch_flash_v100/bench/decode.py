@@ -10,7 +10,9 @@ in the same run with a device-to-device copy (read + write bytes over time). Eve
 preceded by a write of a buffer larger than the L2 cache, so that no step finds the cache there.
 On CUDA each step is timed twice: called eagerly (the time between events around the call, which
 includes host work the GPU waits for), and captured once in a CUDA graph and replayed (the GPU's
-time alone, as a serving loop that replays its decode step sees it).
+time alone, as a serving loop that replays its decode step sees it). The implementations sharing a
+cache are timed side by side: each round times each of them once, and a row gives the median over
+the rounds.
 
 Implementations:
 - ``flashv100``: flash_attn_with_kvcache on a contiguous cache [B, S_cache, Hkv, D], appending the
@@ -86,33 +88,52 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], object], device: torch.device, reps: int,
-          flush: Optional[torch.Tensor]) -> float:
-    """Median seconds of one call over `reps` calls (after one warm-up), each after an L2 flush."""
-    fn()
-    times = []
+def _time_side_by_side(fns: Dict[str, Callable[[], object]], device: torch.device, reps: int,
+                       flush: Optional[torch.Tensor]) -> Dict[str, object]:
+    """name -> median seconds of one call (or the exception it raised), the calls taken in turn
+    within each of `reps` rounds after one warm-up call each, every call after an L2 flush: drift
+    of clocks or memory state over a configuration falls on every implementation alike (measured
+    one after the other, the first paged implementation after the cache was built ran 6-13%
+    slower than the same CUDA graph measured right after it)."""
+    failed: Dict[str, object] = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            failed[name] = e
+    live = {n: fn for n, fn in fns.items() if n not in failed}
+    times: Dict[str, List[float]] = {n: [] for n in live}
     for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in live.items():
+            if name in failed:
+                continue
+            if flush is not None:
+                flush.zero_()
+            try:
+                if device.type == "cuda":
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    times[name].append(start.elapsed_time(end) / 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                failed[name] = e
+    return {n: failed[n] if n in failed else statistics.median(times[n]) for n in fns}
 
 
 def measure_hbm_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
     """Device-to-device copy bandwidth in bytes/s: (read + write) bytes over the median time."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = _time(lambda: dst.copy_(src), device, reps, None)
+    seconds = _time_side_by_side({"copy": lambda: dst.copy_(src)}, device, reps, None)["copy"]
+    if isinstance(seconds, BaseException):
+        raise seconds
     return 2 * src.numel() * src.element_size() / seconds
 
 
@@ -211,6 +232,42 @@ def _build(cfg: DecodeConfig, device: torch.device, impls: List[str], max_kv_byt
     return out
 
 
+def _error(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _measure_group(cfg: DecodeConfig, built: dict, group: List[str], device: torch.device,
+                   reps: int, flush: Optional[torch.Tensor], bandwidth: float) -> List[dict]:
+    """One row per implementation of a group sharing a cache: eager calls timed side by side,
+    then (CUDA) the calls' graph replays timed side by side."""
+    rows = {n: {"config": asdict(cfg), "key": cfg.key(), "impl": n} for n in group}
+    for name in group:
+        if built[name][0] is None:
+            rows[name].update(status="skipped", reason=built[name][1])
+    runnable = {n: built[n][0] for n in group if built[n][0] is not None}
+    for name, seconds in _time_side_by_side(runnable, device, reps, flush).items():
+        if isinstance(seconds, BaseException):
+            rows[name].update(status="error", reason=_error(seconds))
+            continue
+        read = built[name][1]
+        rows[name].update(status="ok", time_us=seconds * 1e6, bytes_read=read,
+                          gbps=read / seconds / 1e9, hbm_fraction=read / seconds / bandwidth)
+    if device.type == "cuda":
+        graphs = {}
+        for name in (n for n in runnable if rows[n]["status"] == "ok"):
+            try:
+                graphs[name] = cuda_graph_replay(runnable[name])
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                rows[name].update(graph_error=_error(e))
+        for name, seconds in _time_side_by_side(graphs, device, reps, flush).items():
+            if isinstance(seconds, BaseException):
+                rows[name].update(graph_error=_error(seconds))
+            else:
+                rows[name].update(graph_time_us=seconds * 1e6,
+                                  graph_hbm_fraction=built[name][1] / seconds / bandwidth)
+    return [rows[n] for n in group]
+
+
 def run_decode(configs: List[DecodeConfig], device="cuda", *, impls: Optional[List[str]] = None,
                reps: int = 20, max_kv_bytes: Optional[int] = None,
                hbm_copy_bytes: Optional[int] = None, progress: bool = False) -> dict:
@@ -244,27 +301,7 @@ def run_decode(configs: List[DecodeConfig], device="cuda", *, impls: Optional[Li
                 built = _build(cfg, device, group, max_kv_bytes, seed=i)
             except torch.OutOfMemoryError as e:
                 built = {n: (None, f"out of memory: {str(e).splitlines()[0]}") for n in group}
-            for impl in group:
-                fn, info = built[impl]
-                row = {"config": asdict(cfg), "key": cfg.key(), "impl": impl}
-                if fn is None:
-                    row.update(status="skipped", reason=info)
-                else:
-                    try:
-                        seconds = _time(fn, device, reps, flush)
-                        row.update(status="ok", time_us=seconds * 1e6, bytes_read=info,
-                                   gbps=info / seconds / 1e9,
-                                   hbm_fraction=info / seconds / bandwidth)
-                    except (RuntimeError, torch.OutOfMemoryError) as e:
-                        row.update(status="error", reason=" ".join(str(e).split())[:300])
-                    if row["status"] == "ok" and device.type == "cuda":
-                        try:
-                            seconds = _time(cuda_graph_replay(fn), device, reps, flush)
-                            row.update(graph_time_us=seconds * 1e6,
-                                       graph_hbm_fraction=info / seconds / bandwidth)
-                        except (RuntimeError, torch.OutOfMemoryError) as e:
-                            row.update(graph_error=" ".join(str(e).split())[:300])
-                rows.append(row)
+            rows.extend(_measure_group(cfg, built, group, device, reps, flush, bandwidth))
             del built
             if device.type == "cuda":
                 torch.cuda.empty_cache()
