@@ -83,8 +83,13 @@ struct FwdTile {
   // block per SM either way). Ampere: sm_80 SASS of the plain step 4.66-11.69 -> 4.17-8.41
   // instructions per MMA, 66 KB (a third fewer blocks per SM on an A100 / H100), and the H100
   // ran the forward 23-25% faster (kernel_ab_h100_a522ea9.txt). The paged kernels keep 16 (the
-  // masked one spilled 76 bytes at 32, sm_80).
-  static constexpr int kBlockN = kHeadDim <= 64    ? 64
+  // masked one spilled 76 bytes at 32, sm_80). The plain wide tile at head dim 64 takes 128 keys,
+  // FlashAttention-2's 128 x 128: half the block barriers and Q fragment loads per key, forward
+  // 0.89-0.94x the time of 64 keys at 512-8k keys (kernel_ab, H100); the other variants spilled
+  // 24-450 bytes there (nvcc 13, sm_80 / sm_90).
+  static constexpr int kBlockN = kHeadDim == 64 && kWide && kVariant == Variant::kPlain && !kPaged
+                                     ? 128
+                                 : kHeadDim <= 64  ? 64
                                  : kHeadDim == 128 ? (kWideKeys ? 64 : 32)
                                  : kPaged          ? 16
                                                    : 32;
