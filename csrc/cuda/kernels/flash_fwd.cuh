@@ -353,6 +353,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   if (split) {
     store_accum_global_f32(o, p.split.out_accum + part_row0 * shape.head_dim_v, shape.head_dim_v,
                            rows_valid, d, lane, row_scale);
+  } else if constexpr (kKeyWarps == 1) {  // the warp's Q rows, read for the last time above
+    store_accum_global_staged<Elem>(o, sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK,
+                                    head_ptr(p.out, p.out_strides, b, h, row0), p.out_strides.row,
+                                    rows_valid, d, lane, row_scale);
   } else {
     store_accum_global<Elem>(o, head_ptr(p.out, p.out_strides, b, h, row0), p.out_strides.row,
                              rows_valid, d, lane, row_scale);
