@@ -663,11 +663,7 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
     return h;
   };
   int h = row_begin < row_end ? active_head(head_begin) : head_end;
-  // Each key tile starts its walk at a query tile of its own and wraps around: a head's key tiles,
-  // in flight together, add into different dQ tiles at a time rather than all into the same one.
-  const int walk_tiles = max(1, (row_end - row_begin + kBlockM - 1) / kBlockM);
-  const int m_start = row_begin + static_cast<int>(blockIdx.x % walk_tiles) * kBlockM;
-  int m0 = m_start;
+  int m0 = row_begin;
   int stage = 0;  // the query-side buffer of this step
   QueryRowVectors<Cfg> rows;
   const bool direct_rows = kDqDirect && computes_row_vectors;
@@ -703,8 +699,10 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   }
   while (h < head_end) {
     int next_h = h, next_m0 = m0 + kBlockM;
-    if (next_m0 >= row_end) next_m0 = row_begin;
-    if (next_m0 == m_start) next_h = active_head(h + 1);
+    if (next_m0 >= row_end) {
+      next_h = active_head(h + 1);
+      next_m0 = row_begin;
+    }
     const BwdHead head(p, seq, b, h);
     const BwdSmem<Cfg> sm(smem_raw, stage);
     const int next_stage = (stage + 1) % kQStages;
