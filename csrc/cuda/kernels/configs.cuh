@@ -325,12 +325,18 @@ template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8
 template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
 // Head dim 64: FlashAttention-2's warp grids, 32 x 64 S warp tiles, 32 x 32 dK/dV and dQ warp
-// tiles. The S warp tiles were 64 x 32 while 32 x 64 spilled (sm_80); since 1409b3b and ff0b21f
-// freed registers they fit (nvcc 13, 255 registers on sm_80 and sm_90), and the dK/dV kernel runs
-// 0.957-0.967x the time at 512-8k keys (kernel_ab, H100).
+// tiles, where ptxas 13 compiles the kernel (255 registers, no spills on sm_80 and sm_90; the
+// dK/dV kernel runs 0.957-0.967x the time of 64 x 32 S warp tiles at 512-8k keys, kernel_ab on the
+// H100). Older toolchains keep 64 x 32: ptxas 12.9 spills 100-116 bytes with 32 x 64 on sm_80 and
+// sm_90 (scripts/nvrtc_gate.py). The choice changes no shared memory or workspace layout.
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 13
+constexpr int kWideHeadDim64ScoreWarpsN = 2;
+#else
+constexpr int kWideHeadDim64ScoreWarpsN = 4;
+#endif
 template <bool G>
 struct BwdTile<AmpereAtom, 64, G, BwdTileSize::kWide>
-    : BwdTileShape<128, 128, 8, 8, 2, 2, 2, 64> {};
+    : BwdTileShape<128, 128, 8, 8, kWideHeadDim64ScoreWarpsN, 2, 2, 64> {};
 // Head dim 128: 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles, 16 x 32 dQ warp tiles (8 x 8 dQ
 // warp tiles were slower); within 255 registers without spills on sm_80 in the plain and dropout
 // variants only.
