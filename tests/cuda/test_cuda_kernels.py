@@ -129,7 +129,7 @@ def test_prefill_tile_choice_by_grid():
     assert res.returncode == 0, res.stderr
     tiles = [line.split("tile ")[1].split(",")[0] for line in res.stderr.splitlines()
              if "flash_fwd" in line and "tile " in line]
-    assert tiles == ["64 x 64", "128 x 64"], res.stderr
+    assert tiles == ["64 x 64", "128 x 128"], res.stderr  # the wide plain tile: 128 keys at 64
     assert "flash_fwd (narrow)" in res.stderr
 
 

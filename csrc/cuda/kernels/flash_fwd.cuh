@@ -353,7 +353,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   if (split) {
     store_accum_global_f32(o, p.split.out_accum + part_row0 * shape.head_dim_v, shape.head_dim_v,
                            rows_valid, d, lane, row_scale);
-  } else if constexpr (kKeyWarps == 1) {  // the warp's Q rows, read for the last time above
+  } else if constexpr (kKeyWarps == 1) {
+    // Through the warp's Q rows, read for the last time above, once every thread's Q copies
+    // landed: where no key tile ran, no barrier of the loop waited for them.
+    __syncthreads();
     store_accum_global_staged<Elem>(o, sQ + warp_row0 * Cfg::kLdQK, Cfg::kLdQK,
                                     head_ptr(p.out, p.out_strides, b, h, row0), p.out_strides.row,
                                     rows_valid, d, lane, row_scale);
