@@ -4,6 +4,8 @@ JSON and Markdown. No timing assertions."""
 
 import json
 
+import torch
+
 from torch_flash_v100.bench import decode
 from torch_flash_v100.bench.cli import main as bench_main
 
@@ -50,3 +52,21 @@ def test_bench_cli_runs_the_decode_suite(tmp_path, capsys, monkeypatch):
                        "--no-progress", "--json", str(out), "--impls", "flashv100,naive"]) == 0
     assert "flashv100" in capsys.readouterr().out
     assert len(json.loads(out.read_text())["results"]) == 2
+
+
+def test_side_by_side_timing_isolates_a_failing_implementation():
+    """Implementations sharing a cache are timed in rounds; one that raises gets its error and the
+    others their times, each from every round."""
+    calls = {"good": 0, "bad": 0}
+
+    def good():
+        calls["good"] += 1
+
+    def bad():
+        calls["bad"] += 1
+        raise RuntimeError("kernel refused")
+
+    times = decode._time_side_by_side({"good": good, "bad": bad}, torch.device("cpu"), 3, None)
+    assert isinstance(times["bad"], RuntimeError) and "refused" in str(times["bad"])
+    assert isinstance(times["good"], float) and times["good"] >= 0
+    assert calls == {"good": 1 + 3, "bad": 1}  # one warm-up each, then 3 rounds of the survivor
