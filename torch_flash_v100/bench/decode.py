@@ -101,10 +101,9 @@ def _time_side_by_side(fns: Dict[str, Callable[[], object]], device: torch.devic
             fn()
         except (RuntimeError, torch.OutOfMemoryError) as e:
             failed[name] = e
-    live = {n: fn for n, fn in fns.items() if n not in failed}
-    times: Dict[str, List[float]] = {n: [] for n in live}
+    times: Dict[str, List[float]] = {n: [] for n in fns}
     for _ in range(reps):
-        for name, fn in live.items():
+        for name, fn in fns.items():
             if name in failed:
                 continue
             if flush is not None:
