@@ -330,19 +330,22 @@ template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4
 // H100). Older toolchains keep 64 x 32: ptxas 12.9 spills 100-116 bytes with 32 x 64 on sm_80 and
 // sm_90 (scripts/nvrtc_gate.py). The choice changes no shared memory or workspace layout.
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 13
-constexpr int kWideHeadDim64ScoreWarpsN = 2;
+constexpr bool kPtxas13WideTiles = true;
 #else
-constexpr int kWideHeadDim64ScoreWarpsN = 4;
+constexpr bool kPtxas13WideTiles = false;
 #endif
 template <bool G>
 struct BwdTile<AmpereAtom, 64, G, BwdTileSize::kWide>
-    : BwdTileShape<128, 128, 8, 8, kWideHeadDim64ScoreWarpsN, 2, 2, 64> {};
+    : BwdTileShape<128, 128, 8, 8, kPtxas13WideTiles ? 2 : 4, 2, 2, 64> {};
 // Head dim 128: 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles, 16 x 32 dQ warp tiles (8 x 8 dQ
 // warp tiles were slower); within 255 registers without spills on sm_80 in the plain and dropout
 // variants only.
+// With ptxas 13: 32 x 32 dQ warp tiles over all 128 columns at once (FlashAttention-2's dQ grid):
+// 0.944-0.979x the time (plain), 0.981-0.989x (dropout) at 512-8k keys (kernel_ab, H100); ptxas
+// 12.9 spills 16-40 bytes there.
 template <bool G>
 struct BwdTile<AmpereAtom, 128, G, BwdTileSize::kWide>
-    : BwdTileShape<64, 128, 8, 8, 4, 4, 2, 64> {};
+    : BwdTileShape<64, 128, 8, 8, 4, 4, kPtxas13WideTiles ? 4 : 2, kPtxas13WideTiles ? 128 : 64> {};
 // Head dim 256: 16 x 32 S warp tiles, 32 x 64 dK/dV warp tiles, 32 x 32 dQ warp tiles in two
 // head-dim chunks (FlashAttention-2's warp grids); within 255 registers without spills on sm_80 in
 // every variant.
