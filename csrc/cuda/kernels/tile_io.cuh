@@ -197,13 +197,13 @@ __device__ __forceinline__ void store_accum_global(Acc& acc, uint16_t* gmem,
 // store_accum_global through the warp's own shared rows `stage` (ld elements, no other warp's):
 // whole 16-byte row chunks a lane, where the fragments store 4 bytes a lane and touch half of
 // each 32-byte sector. cols_valid is a multiple of 8 and gmem's rows 16-byte aligned (the fused
-// kernels' rule).
+// kernels' rule). The caller has a block barrier between every earlier access to `stage` and this
+// store.
 template <class Elem, class Acc, class RowScale>
 __device__ __forceinline__ void store_accum_global_staged(Acc& acc, uint16_t* stage, int ld,
                                                           uint16_t* gmem, int64_t row_stride,
                                                           int rows_valid, int cols_valid, int lane,
                                                           RowScale row_scale) {
-  __syncwarp();  // the warp's last reads of its rows
   acc.for_each_pair(lane, [&](int fm, int slot, int r, int c, float v0, float v1) {
     const float s = row_scale(fm, slot);
     *reinterpret_cast<uint32_t*>(stage + r * ld + c) = pack2<Elem>(v0 * s, v1 * s);
