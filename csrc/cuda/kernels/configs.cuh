@@ -324,25 +324,25 @@ template <bool G> struct BwdTile<AmpereAtom, 32, G> : BwdTileShape<64, 128, 8, 8
 template <bool G> struct BwdTile<AmpereAtom, 64, G> : BwdTileShape<64, 128, 8, 8, 4, 2, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 128, G> : BwdTileShape<64, 64, 8, 8, 4, 4, 4, 64> {};
 template <bool G> struct BwdTile<AmpereAtom, 256, G> : BwdTileShape<32, 32, 8, 4, 2, 4, 4, 128> {};
-// Head dim 64: FlashAttention-2's warp grids, 32 x 64 S warp tiles, 32 x 32 dK/dV and dQ warp
-// tiles, where ptxas 13 compiles the kernel (255 registers, no spills on sm_80 and sm_90; the
-// dK/dV kernel runs 0.957-0.967x the time of 64 x 32 S warp tiles at 512-8k keys, kernel_ab on the
-// H100). Older toolchains keep 64 x 32: ptxas 12.9 spills 100-116 bytes with 32 x 64 on sm_80 and
-// sm_90 (scripts/nvrtc_gate.py). The choice changes no shared memory or workspace layout.
+// FlashAttention-2's warp grids that fit 255 registers without spills only with ptxas 13 (nvcc 13,
+// sm_80 and sm_90); ptxas 12.9 (scripts/nvrtc_gate.py) spills with them, so older toolchains keep
+// the grids below them. Every size and layout follows BwdConfig, so either choice is consistent.
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 13
 constexpr bool kPtxas13WideTiles = true;
 #else
 constexpr bool kPtxas13WideTiles = false;
 #endif
+// Head dim 64: 32 x 32 dK/dV and dQ warp tiles; 32 x 64 S warp tiles with ptxas 13 (the dK/dV
+// kernel runs 0.957-0.967x the time of 64 x 32 at 512-8k keys, kernel_ab on the H100), else 64 x 32
+// (ptxas 12.9 spills 100-116 bytes with 32 x 64).
 template <bool G>
 struct BwdTile<AmpereAtom, 64, G, BwdTileSize::kWide>
     : BwdTileShape<128, 128, 8, 8, kPtxas13WideTiles ? 2 : 4, 2, 2, 64> {};
-// Head dim 128: 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles, 16 x 32 dQ warp tiles (8 x 8 dQ
-// warp tiles were slower); within 255 registers without spills on sm_80 in the plain and dropout
-// variants only.
-// With ptxas 13: 32 x 32 dQ warp tiles over all 128 columns at once (FlashAttention-2's dQ grid):
-// 0.944-0.979x the time (plain), 0.981-0.989x (dropout) at 512-8k keys (kernel_ab, H100); ptxas
-// 12.9 spills 16-40 bytes there.
+// Head dim 128: 32 x 32 S warp tiles, 64 x 32 dK/dV warp tiles; 32 x 32 dQ warp tiles over all 128
+// columns at once with ptxas 13 (0.944-0.979x the time (plain), 0.981-0.989x (dropout) at 512-8k
+// keys, kernel_ab on the H100), else 16 x 32 dQ warp tiles in two 64-column passes (ptxas 12.9
+// spills 16-40 bytes with the 32 x 32 grid; 8 x 8 dQ warp tiles were slower). Within 255
+// registers without spills in the plain and dropout variants only.
 template <bool G>
 struct BwdTile<AmpereAtom, 128, G, BwdTileSize::kWide>
     : BwdTileShape<64, 128, 8, 8, 4, 4, kPtxas13WideTiles ? 4 : 2, kPtxas13WideTiles ? 128 : 64> {};
