@@ -146,6 +146,10 @@ FEATURES = [
     ("rotary_half", Case(seqlen_q=3, seqlen_new=3, rotary_dim=8, rotary_interleaved=False)),
     ("rotary_full_dim_gqa", Case(heads_q=8, heads_kv=2, rotary_dim=16, rotary_interleaved=False)),
     ("leftpad", Case(seqlen_q=2, seqlen_new=2, leftpad=[0, 5, 40], rotary_dim=8, causal=True)),
+    # The last sequence is padding up to the cache's end (leftpad = cache_seqlens = capacity):
+    # no key, nothing appended.
+    ("leftpad_whole_cache", Case(seqlen_new=0, seqlens=[0, 33, "full"], leftpad=[0, 5, 10**6],
+                                 causal=True, heads_q=8, heads_kv=2)),
     ("alibi_h", Case(seqlen_q=2, seqlen_new=2, alibi="h", causal=True)),
     ("alibi_bh_gqa", Case(heads_q=8, heads_kv=2, alibi="bh")),
     ("scale", Case(softmax_scale=0.3, seqlen_q=4, seqlen_new=1)),
