@@ -137,9 +137,11 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   stage_tile<Atom, kBlockM, kHeadDim, kThreads, kSwizzled>(
       sQ, Cfg::kLdQK, head_ptr(p.q, p.q_strides, b, h, seq.q_start + m0), p.q_strides.row,
       vis.len_q - m0, d, tid);
-  stage_k(key_begin, 0);
-  if constexpr (kStages == 2) {
-    if (key_begin < key_end) stage_v(key_begin, 0);
+  // A block that sees no key copies none (a paged tile's first row would read the block-table
+  // entry past the sequence's pages).
+  if (key_begin < key_end) {
+    stage_k(key_begin, 0);
+    if constexpr (kStages == 2) stage_v(key_begin, 0);
   }
 
   OAcc o;
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
       warp_gemm<Atom, Elem, kWarpKeys>(o, p_op, v_op(buf), kWarpKeys, n_extent, lane);
     }
   }
-  cp_async_wait_all();  // no copy may be in flight at exit (K of tile 0 when no key is visible)
+  cp_async_wait_all();  // no copy may be in flight at exit (Q when no key is visible)
 
   if constexpr (kKeyWarps > 1) {
     // The key warps' partial rows merged into the first warp's: rescaled to their common max.
