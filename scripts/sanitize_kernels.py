@@ -67,11 +67,14 @@ KVCACHE_CASES = [  # (B, Hq, Hkv, D, seqlen_q, seqlens, capacity, page_size, spl
     (2, 8, 8, 40, 5, [0, 60], 80, None, 2, dict(batch_idx=True, rotary=True)),
     (1, 8, 2, 128, 33, [100], 192, 16, 0, dict(window=(31, 0), softcap=3.0)),
     (2, 8, 2, 128, 1, [100, 254], 256, 128, 3, dict(leftpad=[3, 0])),
+    # The last sequence is padding up to its pages' end and gets no new key: no key to read.
+    (2, 8, 2, 128, 1, [64, 256], 256, 128, 0, dict(leftpad=[0, 256], append=False)),
 ]
 
 
 def kvcache_cases() -> int:
-    """flash_attn_with_kvcache, both atoms: each step appends one new key/value per sequence."""
+    """flash_attn_with_kvcache, both atoms: each step appends one new key/value per sequence
+    (unless the case says append=False)."""
     from torch_flash_v100.flash_attn_interface import flash_attn_with_kvcache
 
     bad = 0
@@ -103,8 +106,9 @@ def kvcache_cases() -> int:
                 if extra.get("rotary"):
                     angles = torch.rand(cap + lq, d // 4, device="cuda", generator=g)
                     kwargs.update(rotary_cos=angles.cos().half(), rotary_sin=angles.sin().half())
-                out = flash_attn_with_kvcache(randn(b, lq, hq, d), k_cache, v_cache,
-                                              randn(b, lq, hkv, d), randn(b, lq, hkv, d),
+                new_kv = ((randn(b, lq, hkv, d), randn(b, lq, hkv, d))
+                          if extra.get("append", True) else (None, None))
+                out = flash_attn_with_kvcache(randn(b, lq, hq, d), k_cache, v_cache, *new_kv,
                                               **kwargs)
                 torch.cuda.synchronize()
                 if not torch.isfinite(out).all():
