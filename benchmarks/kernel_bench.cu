@@ -195,7 +195,7 @@ void run(int batch, int heads, int len) {
     return median_ms([&] {
       dsum<<<dsum_blocks, 128>>>(bp, row_vectors, dq_ws);  // also zeroes the dQ workspace
       dkdv<<<grid, Cfg::kThreads, Cfg::kSmemBytes>>>(bp, row_vectors, dq_accum,
-                                                      KvGroupSplit{1, nullptr, nullptr}, false);
+                                                      KvGroupSplit{1, 1, nullptr, nullptr}, false);
     });
   };
   using Compact = std::integral_constant<BwdTileSize, BwdTileSize::kCompact>;
@@ -207,7 +207,8 @@ void run(int batch, int heads, int len) {
     wide_ms = bwd_ms(std::integral_constant<int, 2>{}, Wide{});
   }
   // The one-key-tile kernel (kDqDirect) as the launcher picks it: the compact tile, else the wide
-  // one where it has one.
+  // one where it has one, its query tiles split over blocks as dkdv_split says (then the slabs'
+  // reduction too).
   const auto one_key_tile_ms = [&](auto stages, auto size) {
     constexpr int kStages = decltype(stages)::value;
     constexpr BwdTileSize kSize = decltype(size)::value;
@@ -218,10 +219,18 @@ void run(int batch, int heads, int len) {
     const auto dkdv = flash_bwd_dkdv_kernel<AmpereAtom, Fp16, E, V, kStages, kSize, true>;
     CHECK_CUDA(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     Cfg::kSmemBytes));
+    KvGroupSplit split =
+        dkdv_split(1, batch * heads, (len + Cfg::kBlockM - 1) / Cfg::kBlockM, sm_count);
+    if (split.count > 1) {
+      split.dk = buf.alloc<float>(2 * split.count * elems);
+      split.dv = split.dk + split.count * elems;
+    }
+    const dim3 reduce_grid((len * E / 2 + 255) / 256, batch * heads);
     return median_ms([&] {
       if (!computes_row_vectors) dsum<<<dsum_blocks, 128>>>(bp, row_vectors, no_ws);
-      dkdv<<<dim3(1, batch * heads), Cfg::kThreads, Cfg::kSmemBytes>>>(
-          bp, row_vectors, nullptr, KvGroupSplit{1, nullptr, nullptr}, computes_row_vectors);
+      dkdv<<<dim3(1, batch * heads * split.count), Cfg::kThreads, Cfg::kSmemBytes>>>(
+          bp, row_vectors, nullptr, split, computes_row_vectors);
+      if (split.count > 1) flash_bwd_dkdv_reduce_kernel<Fp16><<<reduce_grid, 256>>>(bp, split);
     });
   };
   float one_tile_ms = 0.0f;

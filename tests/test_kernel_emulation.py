@@ -119,8 +119,8 @@ def assert_lse_close(lse, reference_lse, atol):
 def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q=40, len_kv=56,
              head_dim=64, bf16=False, causal=0, window=(-1, -1), softcap=0.0, mask=None,
              dropout_p=0.0, decode_tile=False, narrow_tile=False, backward=True,
-             deterministic=False, bwd_stages=1, bwd_wide=False, kv_group_parts=1, scale=None,
-             seed=0):
+             deterministic=False, bwd_stages=1, bwd_wide=False, kv_group_parts=1, kv_row_parts=1,
+             scale=None, seed=0):
     dtype = torch.bfloat16 if bf16 else torch.float16
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads_q, len_q, head_dim, generator=g).to(dtype)
@@ -134,7 +134,7 @@ def run_case(emulators, tmp_path, *, atom, batch=1, heads_q=2, heads_kv=1, len_q
                 decode_tile=int(decode_tile), narrow_tile=int(narrow_tile),
                 backward=int(backward),
                 deterministic=int(deterministic), bwd_stages=bwd_stages, bwd_wide=int(bwd_wide),
-                kv_group_parts=kv_group_parts)
+                kv_group_parts=kv_group_parts, kv_row_parts=kv_row_parts)
     tensors = dict(q=q, k=k, v=v, dout=dout)
     if mask is not None:
         tensors["mask"] = mask.float()
@@ -232,6 +232,28 @@ def test_gqa_group_split(emulators, tmp_path, atom, head_dim, parts, variant):
              len_q=length if mask is not None else length - 9, len_kv=length, head_dim=head_dim, causal=2, mask=mask,
              dropout_p=0.15 if variant == "dropout" else 0.0, kv_group_parts=parts,
              deterministic=head_dim == 128)
+
+
+# One key tile's query tiles shared out over blocks (KvGroupSplit::row_parts, what the launcher
+# does for a short sequence's few heads), with GQA parts too: each share's dQ rows, the rows no
+# share visits (dQ = 0, bottom-right causal bands), shares left empty, D computed in the kernel
+# (short query ranges) or by the pre-pass, and the slabs' reduction.
+@pytest.mark.parametrize("head_dim, variant, len_q, len_kv, parts, row_parts, wide", [
+    (64, "plain", 120, 40, 1, 2, False), (64, "mask", 140, 64, 2, 2, False),
+    (128, "dropout", 200, 50, 1, 4, False), (256, "plain", 100, 30, 1, 3, False),
+    (128, "plain", 300, 128, 1, 3, True), (64, "dropout", 260, 100, 2, 2, True)])
+@pytest.mark.parametrize("atom", ATOMS)
+def test_one_key_tile_row_split(emulators, tmp_path, atom, head_dim, variant, len_q, len_kv,
+                                parts, row_parts, wide):
+    if wide and atom == "VoltaAtom":
+        pytest.skip("the wide tiles are the m16n8k16 atom's")
+    mask = None
+    if variant == "mask":
+        mask = left_padding_mask(2, 4, len_q, [0, 9])[..., :len_kv].contiguous()
+    run_case(emulators, tmp_path, atom=atom, batch=2 if mask is not None else 1, heads_q=4,
+             heads_kv=2, len_q=len_q, len_kv=len_kv, head_dim=head_dim, causal=2, mask=mask,
+             dropout_p=0.15 if variant == "dropout" else 0.0, kv_group_parts=parts,
+             kv_row_parts=row_parts, bwd_stages=2 if wide else 1, bwd_wide=wide)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -11,8 +11,9 @@
 //       -DEMULATED_HEAD_DIM=128 tests/atoms/kernel_emulation.cpp && ./a.out DIR
 // DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim bf16 scale causal
 // window_left window_right softcap mask dropout_p seed offset decode_tile [narrow_tile] backward
-// deterministic bwd_stages bwd_wide kv_group_parts: with kv_group_parts > 1 the dK/dV kernel runs
-// that many parts of each GQA group, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw
+// deterministic bwd_stages bwd_wide kv_group_parts [kv_row_parts]: with kv_group_parts > 1 the dK/dV
+// kernel runs that many parts of each GQA group, and with one key tile kv_row_parts shares of each
+// part's query tiles, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw
 // little-endian: q [B, Hq, Lq, d], k / v [B, Hkv, Lkv, d], dout like q (fp16 or bf16); mask [B, Hq,
 // Lq, Lkv] fp32 (additive; "mask 1"). Writes out (like q), lse [B, Hq, Lq] (fp32) and with
 // "backward 1" dq, dk, dv. Exits with 3 for a configuration the launchers never run (e.g. two query
@@ -191,7 +192,7 @@ void run_forward(const ForwardParams& p, kern::FwdShape tile) {
 // buffers, tile size) backward_launch.cuh's `run` would launch.
 template <class Elem, int D, Variant V, int kStages, kern::BwdTileSize kSize,
           bool kDqDirect = false>
-void run_backward(BackwardParams& bp, int kv_group_parts) {
+void run_backward(BackwardParams& bp, int kv_group_parts, int kv_row_parts) {
   const AttentionShape& s = bp.fwd.shape;
   using Cfg = kern::BwdConfig<Atom, D, V, kStages, kSize>;
   using DqWorkspace = kern::DqWorkspace<Atom, Cfg>;
@@ -210,13 +211,15 @@ void run_backward(BackwardParams& bp, int kv_group_parts) {
   }
   // The parts' fp32 slabs start as NaN: a row the reduction reads but no part wrote shows up.
   const int64_t slab = s.batch * s.heads_kv * s.len_kv * s.head_dim;
-  const int64_t parts_floats = kv_group_parts > 1 ? kv_group_parts * slab : 0;
+  const int parts = kv_group_parts * kv_row_parts;
+  const int64_t parts_floats = parts > 1 ? parts * slab : 0;
   std::vector<float> kv_parts(2 * parts_floats, NAN);
-  const kern::KvGroupSplit split{kv_group_parts, kv_parts.data(), kv_parts.data() + parts_floats};
-  launch(dim3{grid(key_tiles), grid(s.batch * s.heads_kv * kv_group_parts), 1}, Cfg::kThreads,
+  const kern::KvGroupSplit split{parts, kv_row_parts, kv_parts.data(),
+                                 kv_parts.data() + parts_floats};
+  launch(dim3{grid(key_tiles), grid(s.batch * s.heads_kv * parts), 1}, Cfg::kThreads,
          kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize, kDqDirect>, bp, dsum.data(),
          dq_ws.floats, split, dkdv_row_vectors);
-  if (kv_group_parts > 1) {
+  if (parts > 1) {
     launch(dim3{grid(ceil_div(s.len_kv * s.head_dim / 2, 256)), grid(s.batch * s.heads_kv), 1},
            256, kern::flash_bwd_dkdv_reduce_kernel<Elem>, bp, split);
   }
@@ -281,29 +284,30 @@ void run(const std::map<std::string, double>& c, const std::string& dir) {
   }
   bp.deterministic = c.at("deterministic") != 0;
   const int parts = c.count("kv_group_parts") != 0 ? static_cast<int>(c.at("kv_group_parts")) : 1;
+  const int row_parts = c.count("kv_row_parts") != 0 ? static_cast<int>(c.at("kv_row_parts")) : 1;
   using kern::BwdTileSize;
   if (kern::has_one_key_tile<kern::BwdConfig<Atom, D, V>>(Lkv)) {
-    run_backward<Elem, D, V, 1, BwdTileSize::kCompact, true>(bp, parts);
+    run_backward<Elem, D, V, 1, BwdTileSize::kCompact, true>(bp, parts, row_parts);
   } else if (c.at("bwd_wide") != 0) {
     if constexpr (kern::has_wide_bwd_tile<Atom, D, V>()) {
       using WideCfg = kern::BwdConfig<Atom, D, V, 2, BwdTileSize::kWide>;
       constexpr bool kDirect = kern::has_direct_wide_bwd_tile<Atom, D, V>();
       if (kDirect && kern::has_one_key_tile<WideCfg>(Lkv)) {
-        run_backward<Elem, D, V, 2, BwdTileSize::kWide, kDirect>(bp, parts);
+        run_backward<Elem, D, V, 2, BwdTileSize::kWide, kDirect>(bp, parts, row_parts);
       } else {
-        run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp, parts);
+        run_backward<Elem, D, V, 2, BwdTileSize::kWide>(bp, parts, row_parts);
       }
     } else {
       unsupported("no wide backward tile for this atom, head dim and variant");
     }
   } else if (c.at("bwd_stages") == 2) {
     if constexpr (Atom::kAsyncCopy) {
-      run_backward<Elem, D, V, 2, BwdTileSize::kCompact>(bp, parts);
+      run_backward<Elem, D, V, 2, BwdTileSize::kCompact>(bp, parts, row_parts);
     } else {
       unsupported("two query-side buffers need cp.async");
     }
   } else {
-    run_backward<Elem, D, V, 1, BwdTileSize::kCompact>(bp, parts);
+    run_backward<Elem, D, V, 1, BwdTileSize::kCompact>(bp, parts, row_parts);
   }
   write_tensor(dir + "/dq", dq);
   write_tensor(dir + "/dk", dk);

@@ -15,21 +15,6 @@
 namespace flashv100 {
 namespace cuda {
 
-// Parts of a GQA group per (key tile, batch, kv head) block (kern::KvGroupSplit): the fewest,
-// dividing the group, that give the dK/dV grid kWaves waves of one block per SM, else the whole
-// group. Parts cost a round trip of fp32 dK/dV through global memory, whose bytes grow with the
-// grid and not with the work: grids that already fill the GPU keep one part.
-inline int kv_group_parts(int64_t group, int64_t blocks, int sm_count) {
-  constexpr int64_t kWaves = 4;
-  int parts = 1;
-  while (parts < group && blocks * parts < kWaves * sm_count) {
-    do {
-      ++parts;
-    } while (group % parts != 0);
-  }
-  return parts;
-}
-
 template <int kBucket>
 void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const BackwardParams& p,
                               float* dsum) {
@@ -77,9 +62,9 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
       debug_kernel("flash_bwd_dkdv", D, kern::variant_name(V), Cfg::kBlockM, Cfg::kBlockN,
                    Cfg::kThreads, Cfg::kSmemBytes);
       const int64_t kv_heads = s.batch * s.heads_kv;
-      kern::KvGroupSplit split{
-          kv_group_parts(s.heads_q / s.heads_kv, key_tiles * kv_heads, device_sm_count()),
-          nullptr, nullptr};
+      kern::KvGroupSplit split =
+          kern::dkdv_split(s.heads_q / s.heads_kv, key_tiles * kv_heads,
+                           kDqDirect ? ceil_div(s.len_q, Cfg::kBlockM) : 0, device_sm_count());
       at::Tensor kv_parts;
       const int64_t slab = kv_heads * s.len_kv * s.head_dim;
       if (split.count > 1) {

@@ -537,17 +537,44 @@ struct DqWorkspace {
   }
 };
 
-// A GQA group's query heads split over `count` blocks per (key tile, batch, kv head), where one
-// block per group would leave SMs idle (few kv heads, short sequences) or a causal band's longest
-// blocks 'group' times longer than one head's. Part s runs heads [s, s + 1) * group / count of
-// the group and writes its dK (scaled) and dV in fp32 to slab s of `dk` / `dv`, each
+// The work of a (key tile, batch, kv head) split over `count` blocks, where one block would leave
+// SMs idle (few kv heads, short sequences) or a causal band's longest blocks 'group' times longer
+// than one head's: count / row_parts parts of the GQA group's query heads, each cut into
+// `row_parts` shares of its query tiles (the one-key-tile kernel only, kDqDirect: a query tile's
+// whole dQ is then one block's, and the fp32 slabs below are one key tile). Part s = head part *
+// row_parts + row share writes its dK (scaled) and dV in fp32 to slab s of `dk` / `dv`, each
 // [count, B * Hkv, len_kv, head_dim]; flash_bwd_dkdv_reduce_kernel sums the slabs in part order
 // (deterministic, as the unsplit kernel is). count 1: dK, dV written straight to p.dk, p.dv.
 struct KvGroupSplit {
   int count;
+  int row_parts;
   float* dk;
   float* dv;
 };
+
+// The split of `blocks` (key tile, batch, kv head) blocks (kern::KvGroupSplit) over `sm_count`
+// SMs. Parts of the GQA group: the fewest, dividing the group, that give the dK/dV grid kWaves
+// waves of one block per SM, else the whole group. Parts cost a round trip of fp32 dK/dV through
+// global memory, whose bytes grow with the grid and not with the work: grids that already fill
+// the GPU keep one part. Then, where each block has one key tile (`query_tiles` query tiles, else
+// 0), shares of the query tiles until the grid fills the SMs once: a short sequence's few heads
+// otherwise run their steps one after another on a few SMs.
+__host__ __device__ inline KvGroupSplit dkdv_split(int64_t group, int64_t blocks,
+                                                   int64_t query_tiles, int sm_count) {
+  constexpr int64_t kWaves = 4;
+  int head_parts = 1;
+  while (head_parts < group && blocks * head_parts < kWaves * sm_count) {
+    do {
+      ++head_parts;
+    } while (group % head_parts != 0);
+  }
+  int64_t row_parts = 1;
+  while (row_parts < query_tiles && blocks * head_parts * row_parts < sm_count) ++row_parts;
+  // As many shares as split_share fills: none left empty.
+  const int64_t tiles_per_share = (query_tiles + row_parts - 1) / row_parts;
+  if (row_parts > 1) row_parts = (query_tiles + tiles_per_share - 1) / tiles_per_share;
+  return {head_parts * static_cast<int>(row_parts), static_cast<int>(row_parts), nullptr, nullptr};
+}
 
 // Whether Cfg's dK/dV grid over `len_kv` keys has one key tile: then one block per (batch, kv
 // head, group part) visits each of its query tiles once and writes dQ itself (kDqDirect).
@@ -617,12 +644,17 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   const int n0 = blockIdx.x * kBlockN;
   const int64_t bh = blockIdx.y / split.count, part = blockIdx.y % split.count;
   const int64_t b = bh / f.shape.heads_kv, hk = bh % f.shape.heads_kv;
+  // The part's heads [head_begin, head_end) and its share of their query tiles.
+  const int row_part = static_cast<int>(part % split.row_parts);
+  const bool first_row_part = row_part == 0, last_row_part = row_part + 1 == split.row_parts;
+  const int64_t group = f.shape.heads_q / f.shape.heads_kv;
+  const int64_t part_heads = group * split.row_parts / split.count;
+  const int head_begin = static_cast<int>(hk * group + part / split.row_parts * part_heads);
+  const int head_end = head_begin + static_cast<int>(part_heads);
   const SequenceSpan seq = batch_span(f, b);
   if (n0 >= seq.len_kv) {  // past this sequence's end (varlen)
-    if constexpr (kDqDirect) {  // no key at all: the part's heads get dQ = 0
-      const int64_t part_heads = f.shape.heads_q / f.shape.heads_kv / split.count;
-      const int64_t first = (hk * split.count + part) * part_heads;
-      for (int64_t h = first; h < first + part_heads; ++h) {
+    if (kDqDirect && first_row_part) {  // no key at all: the part's heads get dQ = 0
+      for (int h = head_begin; h < head_end; ++h) {
         zero_dq_rows<Cfg::kThreads>(p, seq, b, h, 0, static_cast<int>(seq.len_q), tid);
       }
     }
@@ -633,8 +665,6 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   const int k_extent = round_up(d, Atom::kK), n_extent = round_up(d, Atom::kN);
   const float scale = static_cast<float>(f.scale);
   const Dropout dropout(f.dropout);
-  const int64_t group = f.shape.heads_q / f.shape.heads_kv;
-  const int64_t part_heads = group / split.count;
 
   load_key_side<Atom>(BwdSmem<Cfg>(smem_raw, 0), p, head_ptr(f.k, f.k_strides, b, hk, seq.k_start),
                       head_ptr(f.v, f.v_strides, b, hk, seq.k_start), vis.len_kv, n0, tid);
@@ -650,14 +680,20 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   using QAcc = typename DqWs::Acc;
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
 
-  // Steps: the query tiles that can see this key tile (its causal/window band), head by head over
-  // the block's part of the GQA group; heads whose padding mask drops every key of this tile are
-  // skipped whole. The walk advances by increments: a division per step cost more than its step's
-  // bookkeeping.
-  const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
-  const int row_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
-  const int head_begin = static_cast<int>(hk * group + part * part_heads);
-  const int head_end = head_begin + static_cast<int>(part_heads);
+  // Steps: the query tiles that can see this key tile (its causal/window band; the block's share
+  // of them), head by head over the block's part of the GQA group; heads whose padding mask drops
+  // every key of this tile are skipped whole. The walk advances by increments: a division per
+  // step cost more than its step's bookkeeping.
+  const int band_begin = vis.row_begin(n0) / kBlockM * kBlockM;
+  const int band_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
+  int row_begin = band_begin, row_end = band_end;
+  if (split.row_parts > 1) {
+    const BlockShare share =
+        split_share(max(0, (band_end - band_begin + kBlockM - 1) / kBlockM), row_part,
+                    split.row_parts);
+    row_begin = band_begin + static_cast<int>(share.first) * kBlockM;
+    row_end = min(band_end, band_begin + static_cast<int>(share.last) * kBlockM);
+  }
   const auto active_head = [&](int h) {
     while (h < head_end && n0 >= HeadMask(f.mask, b, h, f.shape.heads_q).key_end) ++h;
     return h;
@@ -675,16 +711,25 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   if constexpr (kDqDirect) {
     // The steps' rows: whole query tiles from row_begin while they start before row_end, of the
     // heads active_head does not skip. Their row vectors (direct_rows: the D pre-pass's work)
-    // are written before any step takes them; the other rows' dQ is 0.
-    const int steps_begin = min(row_begin, vis.len_q);
-    const int steps_end =
-        row_begin < row_end ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
-                            : steps_begin;
+    // are written before any step takes them; the rows outside the band's steps get dQ = 0 from
+    // the first and last row share.
+    const auto steps_end_of = [&](int begin, int end) {
+      return begin < end ? min(vis.len_q, begin + round_up(end - begin, kBlockM))
+                         : min(begin, vis.len_q);
+    };
+    const int band_steps_begin = min(band_begin, vis.len_q);
+    const int band_steps_end = steps_end_of(band_begin, band_end);
+    const int steps_begin = min(row_begin, vis.len_q), steps_end = steps_end_of(row_begin, row_end);
     for (int hq = head_begin; hq < head_end; ++hq) {
       const bool stepped = active_head(hq) == hq;
-      zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, 0, stepped ? steps_begin : vis.len_q, tid);
+      if (first_row_part) {
+        zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, 0, stepped ? band_steps_begin : vis.len_q,
+                                    tid);
+      }
       if (!stepped) continue;
-      zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, steps_end, vis.len_q, tid);
+      if (last_row_part) {
+        zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, band_steps_end, vis.len_q, tid);
+      }
       if (!direct_rows) continue;
       if constexpr (Cfg::kGeneral) {
         for (int i = steps_begin + warp; i < steps_end; i += Cfg::kThreads / 32) {
