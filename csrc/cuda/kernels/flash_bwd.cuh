@@ -680,26 +680,20 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   using QAcc = typename DqWs::Acc;
   const int q_r0 = (warp / Cfg::kWarpsNQ) * Cfg::kQRows;
 
-  // Steps: the query tiles that can see this key tile (its causal/window band; the block's share
-  // of them), head by head over the block's part of the GQA group; heads whose padding mask drops
-  // every key of this tile are skipped whole. The walk advances by increments: a division per
-  // step cost more than its step's bookkeeping.
-  const int band_begin = vis.row_begin(n0) / kBlockM * kBlockM;
-  const int band_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
-  int row_begin = band_begin, row_end = band_end;
-  if (split.row_parts > 1) {
-    const BlockShare share =
-        split_share(max(0, (band_end - band_begin + kBlockM - 1) / kBlockM), row_part,
-                    split.row_parts);
-    row_begin = band_begin + static_cast<int>(share.first) * kBlockM;
-    row_end = min(band_end, band_begin + static_cast<int>(share.last) * kBlockM);
-  }
+  // Steps: the query tiles that can see this key tile (its causal/window band [row_begin,
+  // row_end)), head by head over the block's part of the GQA group; heads whose padding mask drops
+  // every key of this tile are skipped whole. Row share r takes the band's tiles r, r + row_parts,
+  // ... (interleaved: a causal band's tiles differ in length). The walk advances by increments: a
+  // division per step cost more than its step's bookkeeping.
+  const int row_begin = vis.row_begin(n0) / kBlockM * kBlockM;
+  const int row_end = vis.row_end(min(n0 + kBlockN, vis.len_kv));
+  const int share_begin = row_begin + row_part * kBlockM, share_step = split.row_parts * kBlockM;
   const auto active_head = [&](int h) {
     while (h < head_end && n0 >= HeadMask(f.mask, b, h, f.shape.heads_q).key_end) ++h;
     return h;
   };
-  int h = row_begin < row_end ? active_head(head_begin) : head_end;
-  int m0 = row_begin;
+  int h = share_begin < row_end ? active_head(head_begin) : head_end;
+  int m0 = share_begin;
   int stage = 0;  // the query-side buffer of this step
   QueryRowVectors<Cfg> rows;
   const bool direct_rows = kDqDirect && computes_row_vectors;
@@ -710,43 +704,40 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
   }
   if constexpr (kDqDirect) {
     // The steps' rows: whole query tiles from row_begin while they start before row_end, of the
-    // heads active_head does not skip. Their row vectors (direct_rows: the D pre-pass's work)
-    // are written before any step takes them; the rows outside the band's steps get dQ = 0 from
-    // the first and last row share.
-    const auto steps_end_of = [&](int begin, int end) {
-      return begin < end ? min(vis.len_q, begin + round_up(end - begin, kBlockM))
-                         : min(begin, vis.len_q);
-    };
-    const int band_steps_begin = min(band_begin, vis.len_q);
-    const int band_steps_end = steps_end_of(band_begin, band_end);
-    const int steps_begin = min(row_begin, vis.len_q), steps_end = steps_end_of(row_begin, row_end);
+    // heads active_head does not skip. The row vectors of the share's tiles (direct_rows: the D
+    // pre-pass's work) are written before any step takes them; the rows outside the band's
+    // steps get dQ = 0 from the first and last row share.
+    const int steps_begin = min(row_begin, vis.len_q);
+    const int steps_end = row_begin < row_end
+                              ? min(vis.len_q, row_begin + round_up(row_end - row_begin, kBlockM))
+                              : steps_begin;
     for (int hq = head_begin; hq < head_end; ++hq) {
       const bool stepped = active_head(hq) == hq;
       if (first_row_part) {
-        zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, 0, stepped ? band_steps_begin : vis.len_q,
-                                    tid);
+        zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, 0, stepped ? steps_begin : vis.len_q, tid);
       }
       if (!stepped) continue;
-      if (last_row_part) {
-        zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, band_steps_end, vis.len_q, tid);
-      }
+      if (last_row_part) zero_dq_rows<Cfg::kThreads>(p, seq, b, hq, steps_end, vis.len_q, tid);
       if (!direct_rows) continue;
-      if constexpr (Cfg::kGeneral) {
-        for (int i = steps_begin + warp; i < steps_end; i += Cfg::kThreads / 32) {
-          write_row_vectors<Elem, true>(p, direct.slots(hq, i), seq, b, hq, i, lane);
+      for (int t0 = share_begin; t0 < steps_end; t0 += share_step) {
+        const int t1 = min(t0 + kBlockM, steps_end);
+        if constexpr (Cfg::kGeneral) {
+          for (int i = t0 + warp; i < t1; i += Cfg::kThreads / 32) {
+            write_row_vectors<Elem, true>(p, direct.slots(hq, i), seq, b, hq, i, lane);
+          }
+        } else {
+          write_dsum_rows<Elem, Cfg::kThreads>(p, direct.dsum + direct.index(hq, 0), seq, b, hq,
+                                               t0, t1, tid);
         }
-      } else {
-        write_dsum_rows<Elem, Cfg::kThreads>(p, direct.dsum + direct.index(hq, 0), seq, b, hq,
-                                             steps_begin, steps_end, tid);
       }
     }
     __syncthreads();
   }
   while (h < head_end) {
-    int next_h = h, next_m0 = m0 + kBlockM;
-    if (next_m0 >= row_end) {
+    int next_h = h, next_m0 = m0 + share_step;
+    if (next_m0 >= row_end) {  // the share's first tile again (kept in no register)
       next_h = active_head(h + 1);
-      next_m0 = row_begin;
+      next_m0 = row_begin + (m0 - row_begin) % share_step;
     }
     const BwdHead head(p, seq, b, h);
     const BwdSmem<Cfg> sm(smem_raw, stage);
