@@ -540,11 +540,12 @@ struct DqWorkspace {
 // The work of a (key tile, batch, kv head) split over `count` blocks, where one block would leave
 // SMs idle (few kv heads, short sequences) or a causal band's longest blocks 'group' times longer
 // than one head's: count / row_parts parts of the GQA group's query heads, each cut into
-// `row_parts` shares of its query tiles (the one-key-tile kernel only, kDqDirect: a query tile's
-// whole dQ is then one block's, and the fp32 slabs below are one key tile). Part s = head part *
-// row_parts + row share writes its dK (scaled) and dV in fp32 to slab s of `dk` / `dv`, each
-// [count, B * Hkv, len_kv, head_dim]; flash_bwd_dkdv_reduce_kernel sums the slabs in part order
-// (deterministic, as the unsplit kernel is). count 1: dK, dV written straight to p.dk, p.dv.
+// `row_parts` interleaved shares of its query tiles (the launcher cuts them for the one-key-tile
+// kernel only, kDqDirect: a query tile's whole dQ is then one block's, and the fp32 slabs below
+// are one key tile). Part s = head part * row_parts + row share writes its dK (scaled) and dV in
+// fp32 to slab s of `dk` / `dv`, each [count, B * Hkv, len_kv, head_dim];
+// flash_bwd_dkdv_reduce_kernel sums the slabs in part order (deterministic, as the unsplit kernel
+// is). count 1: dK, dV written straight to p.dk, p.dv.
 struct KvGroupSplit {
   int count;
   int row_parts;
