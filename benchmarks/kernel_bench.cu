@@ -12,17 +12,23 @@
 //       -o kernel_bench benchmarks/kernel_bench.cu
 //   ./kernel_bench B H L E            (E = 64, 128 or 256; e.g. 16 32 1024 64)
 //   ./kernel_bench decode B Hq Hkv S SPLITS...
+//   ./kernel_bench decode-paged PAGE B Hq Hkv S SPLITS...
 //
 // decode: one query token per sequence against a contiguous KV cache [B, S, Hkv, 128] (the plain
 // decode tile, GQA packed into rows as flash_attn_with_kvcache runs it, nothing appended), for
 // each split count given (> 1: the split kernel and the combine, dependent on sm_90+ as the library
 // launches it); the L2 is flushed before each step, and GB/s counts the K and V bytes read.
+// decode-paged: the same step on the contiguous cache and then on the same memory as a paged
+// cache of PAGE rows a page (pages in a shuffled order, as the decode suite's), one after the
+// other per split count, so that the cost of paging is read off one run.
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -265,13 +271,20 @@ void run_variants(int batch, int heads, int len) {
   run<E, Variant::kMaskedDropout>(batch, heads, len);
 }
 
-// One decode step (see the top of the file) per split count; the params mirror
-// make_kvcache_forward_params: the group = Hq / Hkv query heads of a KV head are rows of it.
-void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vector<int>& splits) {
+// One decode step (see the top of the file) per split count, and with page_size > 0 the same step
+// on a paged view of the cache after it; the params mirror make_kvcache_forward_params: the group
+// = Hq / Hkv query heads of a KV head are rows of it.
+void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vector<int>& splits,
+                int page_size) {
   constexpr int E = 128;
   using Cfg = FwdConfig<AmpereAtom, E, Variant::kPlain, FwdShape::kDecode>;
+  using PagedCfg = FwdConfig<AmpereAtom, E, Variant::kPlain, FwdShape::kDecode, true>;
   const int group = heads_q / heads_kv;
-  const int64_t cache_elems = static_cast<int64_t>(batch) * len_kv * heads_kv * E;
+  // Paged: each sequence's rows in whole pages of the same memory ([pages, page_size, Hkv, E]).
+  const int seq_pages = page_size > 0 ? (len_kv + page_size - 1) / page_size : 0;
+  const int64_t cache_rows = std::max(static_cast<int64_t>(len_kv),
+                                      static_cast<int64_t>(seq_pages) * page_size);
+  const int64_t cache_elems = static_cast<int64_t>(batch) * cache_rows * heads_kv * E;
   const int64_t rows = static_cast<int64_t>(batch) * heads_q;
   Buffers buf;
   __half *q = buf.alloc<__half>(rows * E), *out = buf.alloc<__half>(rows * E);
@@ -298,7 +311,7 @@ void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vec
   p.lse_layout = LseLayout{heads_q, group};
   p.q_strides = p.out_strides =
       TensorStrides{static_cast<int64_t>(heads_q) * E, static_cast<int64_t>(group) * E, E};
-  p.k_strides = p.v_strides = TensorStrides{static_cast<int64_t>(len_kv) * heads_kv * E, E,
+  p.k_strides = p.v_strides = TensorStrides{cache_rows * heads_kv * E, E,
                                             static_cast<int64_t>(heads_kv) * E};
   p.scale = 1.0 / std::sqrt(static_cast<double>(E));
   p.kvcache.seqlens = seqlens;
@@ -308,7 +321,25 @@ void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vec
   const auto fwd = flash_fwd_kernel<AmpereAtom, Fp16, E, Variant::kPlain, false, FwdShape::kDecode>;
   CHECK_CUDA(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   Cfg::kSmemBytes));
-  const double kv_bytes = 2.0 * cache_elems * sizeof(__half);
+  const auto paged_fwd =
+      flash_fwd_kernel<AmpereAtom, Fp16, E, Variant::kPlain, true, FwdShape::kDecode>;
+  ForwardParams paged = p;
+  if (page_size > 0) {
+    CHECK_CUDA(cudaFuncSetAttribute(paged_fwd, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    PagedCfg::kSmemBytes));
+    std::vector<int32_t> table(static_cast<size_t>(batch) * seq_pages);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(0));
+    int32_t* block_table = buf.alloc<int32_t>(static_cast<int64_t>(table.size()));
+    CHECK_CUDA(cudaMemcpy(block_table, table.data(), table.size() * sizeof(int32_t),
+                          cudaMemcpyHostToDevice));
+    paged.kvcache.block_table = block_table;
+    paged.kvcache.block_table_stride = seq_pages;
+    paged.kvcache.page_size = page_size;
+    paged.k_strides.batch = paged.v_strides.batch =
+        static_cast<int64_t>(page_size) * heads_kv * E;  // a page
+  }
+  const double kv_bytes = 2.0 * static_cast<double>(batch) * len_kv * heads_kv * E * sizeof(__half);
   // The combine as the library launches it: programmatically dependent on sm_90+.
   cudaLaunchConfig_t combine = {};
   combine.gridDim = dim3((rows + kCombineWarps - 1) / kCombineWarps);
@@ -320,7 +351,7 @@ void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vec
   CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   if (major >= 9) combine.attrs = &dependent, combine.numAttrs = 1;
   for (const int s : splits) {
-    p.split.num_splits = s;
+    p.split.num_splits = paged.split.num_splits = s;
     const dim3 grid((group + Cfg::kBlockM - 1) / Cfg::kBlockM, batch * heads_kv, s);
     const float ms = median_ms_cold(
         [&] {
@@ -330,26 +361,47 @@ void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vec
         flush, flush_bytes);
     std::printf("decode B%d H%d/%d S%d D%d splits %3d: %8.1f us  %6.0f GB/s (K/V read)\n", batch,
                 heads_q, heads_kv, len_kv, E, s, ms * 1e3, kv_bytes / ms * 1e-6);
+    if (page_size == 0) continue;
+    const float paged_ms = median_ms_cold(
+        [&] {
+          paged_fwd<<<grid, PagedCfg::kThreads, PagedCfg::kSmemBytes>>>(paged);
+          if (s > 1) {
+            CHECK_CUDA(cudaLaunchKernelEx(&combine, split_kv_combine_kernel<Fp16>, paged));
+          }
+        },
+        flush, flush_bytes);
+    std::printf("decode paged%d B%d H%d/%d S%d D%d splits %3d: %8.1f us  %6.0f GB/s (K/V read)\n",
+                page_size, batch, heads_q, heads_kv, len_kv, E, s, paged_ms * 1e3,
+                kv_bytes / paged_ms * 1e-6);
   }
 }
 
 int main(int argc, char** argv) {
-  if (argc >= 7 && std::string(argv[1]) == "decode") {
+  const bool paged = argc >= 2 && std::string(argv[1]) == "decode-paged";
+  if ((argc >= 7 && std::string(argv[1]) == "decode") || (paged && argc >= 8)) {
+    const int first = paged ? 3 : 2;  // B's argument
+    const int page_size = paged ? std::atoi(argv[2]) : 0;
     std::vector<int> splits;
-    for (int i = 6; i < argc; ++i) splits.push_back(std::max(1, std::atoi(argv[i])));
-    const int heads_q = std::atoi(argv[3]), heads_kv = std::atoi(argv[4]);
+    for (int i = first + 4; i < argc; ++i) splits.push_back(std::max(1, std::atoi(argv[i])));
+    const int heads_q = std::atoi(argv[first + 1]), heads_kv = std::atoi(argv[first + 2]);
     if (heads_kv <= 0 || heads_q % heads_kv != 0 || heads_q / heads_kv > kDecodeRows) {
       std::fprintf(stderr, "decode: Hq must be a multiple of Hkv, at most %d times it\n",
                    kDecodeRows);
       return 2;
     }
-    run_decode(std::atoi(argv[2]), heads_q, heads_kv, std::atoi(argv[5]), splits);
+    if (paged && (page_size <= 0 || page_size % 16 != 0)) {
+      std::fprintf(stderr, "decode-paged: PAGE must be a positive multiple of 16\n");
+      return 2;
+    }
+    run_decode(std::atoi(argv[first]), heads_q, heads_kv, std::atoi(argv[first + 3]), splits,
+               page_size);
     return 0;
   }
   if (argc != 5) {
     std::fprintf(stderr,
-                 "usage: %s B H L E  (E = 64, 128 or 256)\n       %s decode B Hq Hkv S SPLITS...\n",
-                 argv[0], argv[0]);
+                 "usage: %s B H L E  (E = 64, 128 or 256)\n       %s decode B Hq Hkv S SPLITS...\n"
+                 "       %s decode-paged PAGE B Hq Hkv S SPLITS...\n",
+                 argv[0], argv[0], argv[0]);
     return 2;
   }
   const int batch = std::atoi(argv[1]), heads = std::atoi(argv[2]), len = std::atoi(argv[3]);
