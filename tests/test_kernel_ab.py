@@ -40,6 +40,20 @@ def test_medians_and_ratios_against_the_first_tree():
     assert [c.strip() for c in rows[("decode B1 H32/8 S1024 D128 splits   1", "step us")]][-1] == "0.500"
 
 
+def test_paged_decode_lines_are_their_own_rows():
+    run = ("== tree main round 1: decode-paged 256 1 32 8 1024 1\n"
+           "decode B1 H32/8 S1024 D128 splits   1:     15.0 us     280 GB/s (K/V read)\n"
+           "decode paged256 B1 H32/8 S1024 D128 splits   1:     16.0 us     262 GB/s (K/V read)\n"
+           "== tree exp round 1: decode-paged 256 1 32 8 1024 1\n"
+           "decode B1 H32/8 S1024 D128 splits   1:     15.0 us     280 GB/s (K/V read)\n"
+           "decode paged256 B1 H32/8 S1024 D128 splits   1:     12.0 us     350 GB/s (K/V read)\n")
+    _, times = kernel_ab.parse(run)
+    assert times[("decode paged256 B1 H32/8 S1024 D128 splits   1", "step us")] == {
+        "main": [16.0], "exp": [12.0]}
+    assert times[("decode B1 H32/8 S1024 D128 splits   1", "step us")] == {
+        "main": [15.0], "exp": [15.0]}
+
+
 def test_no_output_says_so():
     assert kernel_ab.summarize("nvcc: error\n") == "no kernel_bench output found\n"
 
