@@ -256,6 +256,24 @@ def test_one_key_tile_row_split(emulators, tmp_path, atom, head_dim, variant, le
              kv_row_parts=row_parts, bwd_stages=2 if wide else 1, bwd_wide=wide)
 
 
+# The launcher's split of the dK/dV grid (kern::dkdv_split): GQA parts dividing the group up to 4
+# waves, then, with one key tile (query_tiles > 0), query shares up to one block per SM, none of
+# them left empty by split_share. (group, blocks, query tiles, SMs) -> (parts, row shares).
+@pytest.mark.parametrize("args, expected", [
+    ((1, 1, 2, 132), (2, 2)),  # one head, L = 128 at the wide tile
+    ((1, 512, 2, 132), (1, 1)),  # a grid that fills the GPU
+    ((1, 1, 0, 132), (1, 1)),  # several key tiles: no shares
+    ((6, 100, 0, 132), (6, 1)),  # group parts 1, 2, 3, 6 (4 and 5 do not divide it)
+    ((1, 1, 5, 4), (3, 3)),  # 4 shares of 5 tiles would leave one empty: 3 of 2, 2, 1
+    ((2, 1, 3, 132), (6, 3)),  # both
+])
+def test_dkdv_split_rule(emulators, args, expected):
+    run = subprocess.run([str(emulators("AmpereAtom", 64)), "dkdv_split", *map(str, args)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert tuple(int(x) for x in run.stdout.split()) == expected
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16(emulators, tmp_path, head_dim):
     run_case(emulators, tmp_path, atom="AmpereAtom", head_dim=head_dim, bf16=True, causal=2,
