@@ -231,12 +231,14 @@ void run(int batch, int heads, int len) {
       split.dk = buf.alloc<float>(2 * split.count * elems);
       split.dv = split.dk + split.count * elems;
     }
-    const dim3 reduce_grid((len * E / 2 + 255) / 256, batch * heads);
+    const dim3 reduce_grid(dkdv_reduce_blocks(len, E), batch * heads);
     return median_ms([&] {
       if (!computes_row_vectors) dsum<<<dsum_blocks, 128>>>(bp, row_vectors, no_ws);
       dkdv<<<dim3(1, batch * heads * split.count), Cfg::kThreads, Cfg::kSmemBytes>>>(
           bp, row_vectors, nullptr, split, computes_row_vectors);
-      if (split.count > 1) flash_bwd_dkdv_reduce_kernel<Fp16><<<reduce_grid, 256>>>(bp, split);
+      if (split.count > 1) {
+        flash_bwd_dkdv_reduce_kernel<Fp16><<<reduce_grid, kDkdvReduceThreads>>>(bp, split);
+      }
     });
   };
   float one_tile_ms = 0.0f;

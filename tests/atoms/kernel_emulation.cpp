@@ -11,9 +11,9 @@
 //       -DEMULATED_HEAD_DIM=128 tests/atoms/kernel_emulation.cpp && ./a.out DIR
 // DIR/case.txt: "name value" lines (batch heads_q heads_kv len_q len_kv head_dim bf16 scale causal
 // window_left window_right softcap mask dropout_p seed offset decode_tile [narrow_tile] backward
-// deterministic bwd_stages bwd_wide kv_group_parts [kv_row_parts]: with kv_group_parts > 1 the dK/dV
-// kernel runs that many parts of each GQA group, and with one key tile kv_row_parts shares of each
-// part's query tiles, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw
+// deterministic bwd_stages bwd_wide kv_group_parts [kv_row_parts]: with kv_group_parts > 1 the
+// dK/dV kernel runs that many parts of each GQA group, and with one key tile kv_row_parts shares of
+// each part's query tiles, reduced by flash_bwd_dkdv_reduce_kernel). Tensors, raw
 // little-endian: q [B, Hq, Lq, d], k / v [B, Hkv, Lkv, d], dout like q (fp16 or bf16); mask [B, Hq,
 // Lq, Lkv] fp32 (additive; "mask 1"). Writes out (like q), lse [B, Hq, Lq] (fp32) and with
 // "backward 1" dq, dk, dv. Exits with 3 for a configuration the launchers never run (e.g. two query
@@ -221,8 +221,9 @@ void run_backward(BackwardParams& bp, int kv_group_parts, int kv_row_parts) {
          kern::flash_bwd_dkdv_kernel<Atom, Elem, D, V, kStages, kSize, kDqDirect>, bp, dsum.data(),
          dq_ws.floats, split, dkdv_row_vectors);
   if (parts > 1) {
-    launch(dim3{grid(ceil_div(s.len_kv * s.head_dim / 2, 256)), grid(s.batch * s.heads_kv), 1},
-           256, kern::flash_bwd_dkdv_reduce_kernel<Elem>, bp, split);
+    launch(dim3{grid(kern::dkdv_reduce_blocks(s.len_kv, s.head_dim)),
+                grid(s.batch * s.heads_kv), 1},
+           kern::kDkdvReduceThreads, kern::flash_bwd_dkdv_reduce_kernel<Elem>, bp, split);
   }
   if constexpr (kDqDirect) return;
   if (bp.deterministic) {

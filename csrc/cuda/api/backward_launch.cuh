@@ -80,8 +80,9 @@ void launch_backward_head_dim(MmaAtom atom, at::ScalarType dtype, const Backward
         // A split grid has under kWaves waves of key tiles: far from int's range, which the
         // reduction's thread index takes.
         TORCH_INTERNAL_ASSERT(s.len_kv * s.head_dim / 2 <= INT32_MAX);
-        const dim3 reduce_grid(ceil_div(s.len_kv * s.head_dim / 2, 256), kv_heads);
-        kern::flash_bwd_dkdv_reduce_kernel<Elem><<<reduce_grid, 256, 0, stream>>>(p, split);
+        const dim3 reduce_grid(kern::dkdv_reduce_blocks(s.len_kv, s.head_dim), kv_heads);
+        kern::flash_bwd_dkdv_reduce_kernel<Elem>
+            <<<reduce_grid, kern::kDkdvReduceThreads, 0, stream>>>(p, split);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
 

@@ -833,9 +833,14 @@ __global__ void __launch_bounds__(BwdConfig<Atom, kHeadDim, kVariant, kQStages, 
 
 // dK, dV of a split GQA group (KvGroupSplit): the parts' slabs summed in part order, converted to
 // Elem and written with dk's / dv's strides: two columns a thread; grid row blockIdx.y is a
-// (batch, kv head), its threads cover that head's rows.
+// (batch, kv head), its kDkdvReduceThreads-thread blocks (dkdv_reduce_blocks of them) cover that
+// head's rows.
+constexpr int kDkdvReduceThreads = 256;
+__host__ __device__ inline int64_t dkdv_reduce_blocks(int64_t len_kv, int64_t head_dim) {
+  return (len_kv * head_dim / 2 + kDkdvReduceThreads - 1) / kDkdvReduceThreads;
+}
 template <class Elem>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kDkdvReduceThreads)
     flash_bwd_dkdv_reduce_kernel(const BackwardParams p, const KvGroupSplit split) {
   const ForwardParams& f = p.fwd;
   const int64_t bh = blockIdx.y, b = bh / f.shape.heads_kv, hk = bh % f.shape.heads_kv;
