@@ -337,6 +337,7 @@ void run_decode(int batch, int heads_q, int heads_kv, int len_kv, const std::vec
                           cudaMemcpyHostToDevice));
     paged.kvcache.block_table = block_table;
     paged.kvcache.block_table_stride = seq_pages;
+    paged.kvcache.block_table_cols = seq_pages;
     paged.kvcache.page_size = page_size;
     paged.k_strides.batch = paged.v_strides.batch =
         static_cast<int64_t>(page_size) * heads_kv * E;  // a page

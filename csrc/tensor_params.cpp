@@ -606,6 +606,7 @@ KVCacheParams kvcache_params_of(const KVCacheArgs& args) {
   if (args.paged()) {
     c.block_table = args.block_table->data_ptr<int32_t>();
     c.block_table_stride = args.block_table->stride(0);
+    c.block_table_cols = args.block_table->size(1);
     c.page_size = args.k_cache.size(1);
   }
   c.seqlen_new = args.seqlen_new();

@@ -130,6 +130,7 @@ struct KVCacheParams {
   const int32_t* batch_idx = nullptr;
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0;
+  int64_t block_table_cols = 0;  // entries of a block_table row (max pages per sequence)
   int64_t page_size = 0;
   int64_t seqlen_new = 0;
 };

@@ -349,6 +349,7 @@ void run_kvcache(const std::map<std::string, double>& c, const std::string& dir)
     block_table = read_tensor<int32_t>(dir + "/block_table", B * max_blocks);
     cache.block_table = block_table.data();
     cache.block_table_stride = max_blocks;
+    cache.block_table_cols = max_blocks;
     cache.page_size = cache_rows;
   }
   cache.seqlen_new = seqlen_new;

@@ -64,6 +64,23 @@ struct PagedRows {
   }
 };
 
+// Starts moving a block_table row's `entries` int32 entries into L2, one prefetch per 128-byte line
+// over the block's threads. A paged block's first K/V tile waits on two dependent reads (the
+// sequence's length, then its table entry); issued at kernel entry, the second one hits L2.
+// A hint only: the host emulation has no L2 and skips it.
+template <int kThreads>
+__device__ __forceinline__ void prefetch_table_row(const int32_t* row, int64_t entries, int tid) {
+#ifndef FLASHV100_HOST_EMULATION
+  constexpr uint64_t kLine = 128;
+  const uint64_t first = reinterpret_cast<uint64_t>(row) & ~(kLine - 1);
+  const uint64_t end = reinterpret_cast<uint64_t>(row + entries);
+  for (uint64_t line = first + tid * kLine; line < end; line += kThreads * kLine)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
+#else
+  (void)row, (void)entries, (void)tid;
+#endif
+}
+
 // Key j of a sequence is visible from its query i iff j < len_kv and lo <= j - i <= hi: causal
 // alignment and window of common/params.h (WindowParams) in one band. Unbounded sides are clamped
 // to values no (padded) tile reaches, so that they cost nothing beyond one compare.
