@@ -66,9 +66,10 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   const int key_warp = warp % kKeyWarps, warp_key0 = key_warp * kWarpKeys;  // in each key tile
   const int64_t b = blockIdx.y / shape.heads_q, h = blockIdx.y % shape.heads_q;
   const KVCacheParams& cache = p.kvcache;
-  const int32_t* const page_table =
-      kPaged ? cache.block_table + b * cache.block_table_stride : nullptr;
-  if constexpr (kPaged) prefetch_table_row<kThreads>(page_table, cache.block_table_cols, tid);
+  if constexpr (kPaged) {
+    prefetch_table_row<kThreads>(cache.block_table + b * cache.block_table_stride,
+                                 cache.block_table_cols, tid);
+  }
   write_rng_state(p.dropout);
   const SequenceSpan seq = sequence_span(p, b);
   if (m0 >= seq.len_q) return;  // past this sequence's end (varlen)
@@ -79,6 +80,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   const int64_t kv_row0 = kPaged ? 0 : seq.k_start;
   const uint16_t* k_head = head_ptr(p.k, p.k_strides, kv_b, hk, kv_row0);
   const uint16_t* v_head = head_ptr(p.v, p.v_strides, kv_b, hk, kv_row0);
+  const int32_t* const page_table =
+      kPaged ? cache.block_table + b * cache.block_table_stride : nullptr;
   const int first_row = static_cast<int>(seq.k_start);
   const FastDivmod page_size =
       kPaged ? FastDivmod(static_cast<int>(cache.page_size)) : FastDivmod();
