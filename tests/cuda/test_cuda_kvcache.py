@@ -4,8 +4,8 @@ mma.m8n8k4 atom forced, emulated on newer GPUs, and the native one): contiguous 
 seqlen_q * ngroups view for decoding), seqlen_q 1..300, more new rows than query rows (appended
 by the forward kernel itself, across split shares), rotary (both styles, rotary_dim < D),
 causal/window/ALiBi/softcap, split-KV forced (1, 3, 7) and chosen (0); the whole caches after the
-in-place append; bad index values; a decode step captured once in a CUDA graph and replayed with
-new cache_seqlens values.
+in-place append; block tables with strided rows; bad index values; a decode step captured once in
+a CUDA graph and replayed with new cache_seqlens values.
 
 Tolerances: out and lse FlashAttention-2 style (kvcache_testing.check_case); appended cache rows
 within one rounding of the reference's, other rows bit-identical.
@@ -92,6 +92,30 @@ def test_split_kv_is_deterministic(atom):
     for _ in range(3):
         again = flash_attn_with_kvcache(**kwargs, return_softmax_lse=True)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_block_table_with_strided_rows(atom, page_size):
+    """A block_table whose rows are slices of a wider table (stride(0) > its columns): bitwise the
+    result of its contiguous copy. The kernels address each row by the table's row stride and
+    prefetch only the row's own columns."""
+    kwargs, _ = make_inputs(Case(batch=3, heads_q=8, heads_kv=2, dim=128, capacity=1024,
+                                 page_size=page_size, seqlens=[5, 700, "full"], seqlen_new=1,
+                                 num_splits=3), torch.float16, "cuda")
+    table = kwargs["block_table"]
+    wide = torch.full((table.shape[0], table.shape[1] + 37), -7, dtype=torch.int32,
+                      device="cuda")
+    wide[:, :table.shape[1]] = table
+    strided = wide[:, :table.shape[1]]
+    assert strided.stride(0) > strided.shape[1]
+    results = []
+    for t in (table, strided):
+        caches = kwargs["k_cache"].clone(), kwargs["v_cache"].clone()
+        out, lse = flash_attn_with_kvcache(**dict(kwargs, k_cache=caches[0], v_cache=caches[1],
+                                                  block_table=t), return_softmax_lse=True)
+        results.append((out, lse, *caches))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_bad_index_values_raise(atom):
