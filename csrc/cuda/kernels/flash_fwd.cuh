@@ -66,6 +66,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   const int key_warp = warp % kKeyWarps, warp_key0 = key_warp * kWarpKeys;  // in each key tile
   const int64_t b = blockIdx.y / shape.heads_q, h = blockIdx.y % shape.heads_q;
   const KVCacheParams& cache = p.kvcache;
+  // The row's address is computed again for page_table below: kept live from here, it spilled
+  // (sm_80, head-dim-128 paged decode kernel at its 168-register bound).
   if constexpr (kPaged) {
     prefetch_table_row<kThreads>(cache.block_table + b * cache.block_table_stride,
                                  cache.block_table_cols, tid);
