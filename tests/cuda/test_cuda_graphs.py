@@ -69,7 +69,7 @@ def test_benchmark_first_call_is_timed_without_gpu_work_queued_before_it():
     """The fp64 reference is still running on the GPU when the first implementation of a shape
     starts; timed with it, the first call's estimate allowed one cold repetition of each phase."""
     device = torch.device("cuda")
-    cfg = get_suite("tiny", "cuda")[0]
+    cfg = get_suite("tiny", "cuda")[0].with_dtype("fp16")
     impl = make_impls(device, ["flashv100"])[0]
     inputs = _make_inputs(cfg, device)
     measure(impl, cfg, inputs, None, device, reps=1)  # kernels loaded, memory cached
