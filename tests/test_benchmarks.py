@@ -7,13 +7,15 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import replace
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 
-from torch_flash_v100.bench import report
+from torch_flash_v100.bench import harness, report
 from torch_flash_v100.bench.harness import (UNSTABLE_SPREAD, make_attn_mask, padding_lengths,
                                             reference_grads, run_suite, time_fn, unstable_reasons)
 from torch_flash_v100.bench.implementations import (IMPL_NAMES, Impl, Unsupported, make_impls,
@@ -503,3 +505,20 @@ def test_kernel_bench_builds_against_the_kernels(tmp_path):
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     assert binary.exists()
+
+
+def test_first_call_clock_starts_after_the_device_is_synchronized(monkeypatch):
+    """On a GPU the fp64 reference is still queued when a shape's first implementation starts;
+    a clock started before the synchronize timed it too, and the estimate then allowed one cold
+    repetition of each phase. Checked by the order of the calls, not by time."""
+    events = []
+    sync = harness.synchronize
+    monkeypatch.setattr(harness, "synchronize", lambda d: (events.append("sync"), sync(d))[1])
+    monkeypatch.setattr(harness, "time", SimpleNamespace(
+        perf_counter=lambda: (events.append("clock"), time.perf_counter())[1]))
+    cfg = get_suite("tiny", "cpu")[0].with_dtype("fp32")
+    impl = make_impls("cpu", ["flashv100"])[0]
+    r = harness.measure(impl, cfg, harness._make_inputs(cfg, torch.device("cpu")), None,
+                        torch.device("cpu"), reps=2)
+    assert events[:2] == ["sync", "clock"], events
+    assert r["first_fwdbwd_ms"] > 0
