@@ -56,11 +56,18 @@ struct PagedRows {
            static_cast<int64_t>(row - page * page_size.divisor) * row_stride;
   }
 
+  // The block-table entry of row 0's page.
+  __device__ __forceinline__ int first_entry() const {
+    return __ldg(table + page_size.quotient(first));
+  }
   // Row 0's address if rows [0, rows) lie in one page (then row r is at row_stride * r from
-  // it), else nullptr. Reads the table only for row 0.
-  __device__ __forceinline__ const uint16_t* single_page(int rows) const {
-    return page_size.quotient(first) == page_size.quotient(first + rows - 1) ? (*this)(0)
-                                                                             : nullptr;
+  // it), else nullptr; `entry` is first_entry(), read ahead by the caller.
+  __device__ __forceinline__ const uint16_t* single_page(int rows, int entry) const {
+    const int page = page_size.quotient(first);
+    return page == page_size.quotient(first + rows - 1)
+               ? head + static_cast<int64_t>(entry) * page_stride +
+                     static_cast<int64_t>(first - page * page_size.divisor) * row_stride
+               : nullptr;
   }
 };
 

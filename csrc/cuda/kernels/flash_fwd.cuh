@@ -106,13 +106,22 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
     allow_dependent_launch();  // the combine (kvcache.cuh) waits for this grid on the GPU
   }
 
+  // Paged: the block-table entry of a key tile's first row, read one tile ahead of the tile's
+  // copies (page_now: tile n0 of the loop, page_next: tile n0 + kBlockN), so that no copy waits
+  // for a table read. K and V share the table.
+  const auto read_page_ahead = [&](int n0) {
+    return kPaged && n0 < key_end ? paged_rows(k_head, p.k_strides, n0).first_entry() : 0;
+  };
+  int page_now = read_page_ahead(key_begin), page_next = read_page_ahead(key_begin + kBlockN);
+
   // Key tile n0 of K or V (rows from `head`) into a K/V buffer. Paged: as a contiguous tile when
-  // it lies in one page (one block-table read instead of one per row, and contiguous address
-  // math), else row by row.
-  const auto stage_kv = [&](uint16_t* dst, const uint16_t* head, const TensorStrides& st, int n0) {
+  // it lies in one page (the one block-table entry `page` instead of one per row, and contiguous
+  // address math), else row by row.
+  const auto stage_kv = [&](uint16_t* dst, const uint16_t* head, const TensorStrides& st, int n0,
+                            int page) {
     if constexpr (kPaged) {
       const PagedRows rows = paged_rows(head, st, n0);
-      if (const uint16_t* base = rows.single_page(kBlockN)) {
+      if (const uint16_t* base = rows.single_page(kBlockN, page)) {
         stage_tile<Atom, kBlockN, kHeadDim, kThreads, kSwizzled>(dst, Cfg::kLdQK, base, st.row,
                                                                  vis.len_kv - n0, d, tid);
       } else {
@@ -120,16 +129,22 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
             dst, Cfg::kLdQK, rows, head, vis.len_kv - n0, d, tid);
       }
     } else {
+      (void)page;
       stage_tile<Atom, kBlockN, kHeadDim, kThreads, kSwizzled>(
           dst, Cfg::kLdQK, head + n0 * st.row, st.row, vis.len_kv - n0, d, tid);
     }
   };
-  // Key tile n0 into K/V buffer `buf` (kKVStages of them).
-  const auto stage_k = [&](int n0, int buf) {
-    stage_kv(sK + buf * Cfg::kKVElems, k_head, p.k_strides, n0);
+  // Key tile n0 (block-table entry `page`) into K/V buffer `buf` (kKVStages of them).
+  const auto stage_k = [&](int n0, int buf, int page) {
+    stage_kv(sK + buf * Cfg::kKVElems, k_head, p.k_strides, n0, page);
   };
-  const auto stage_v = [&](int n0, int buf) {
-    stage_kv(sV + buf * Cfg::kKVElems, v_head, p.v_strides, n0);
+  const auto stage_v = [&](int n0, int buf, int page) {
+    stage_kv(sV + buf * Cfg::kKVElems, v_head, p.v_strides, n0, page);
+  };
+  // After the loop's last copy of tile n0 + kBlockN: the entries move on one tile.
+  const auto advance_pages = [&](int n0) {
+    page_now = page_next;
+    page_next = read_page_ahead(n0 + 2 * kBlockN);
   };
   if constexpr (kShape == FwdShape::kDecode && decode_tile_appends(kHeadDim)) {
     if (p.append.k != nullptr) {  // this block's share of the new rows (KVNewRows)
@@ -146,8 +161,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   // A block that sees no key copies none (a paged tile's first row would read the block-table
   // entry past the sequence's pages).
   if (key_begin < key_end) {
-    stage_k(key_begin, 0);
-    if constexpr (kStages == 2) stage_v(key_begin, 0);
+    stage_k(key_begin, 0, page_now);
+    if constexpr (kStages == 2) stage_v(key_begin, 0, page_now);
   }
 
   OAcc o;
@@ -192,10 +207,13 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
     // tile's V (two buffers: with the other buffer).
     __syncthreads();
     if constexpr (kStages == 1) {
-      stage_v(n0, 0);
-    } else if (n0 + kBlockN < key_end) {
-      stage_k(n0 + kBlockN, buf ^ 1);
-      stage_v(n0 + kBlockN, buf ^ 1);
+      stage_v(n0, 0, page_now);
+    } else {
+      if (n0 + kBlockN < key_end) {
+        stage_k(n0 + kBlockN, buf ^ 1, page_next);
+        stage_v(n0 + kBlockN, buf ^ 1, page_next);
+      }
+      advance_pages(n0);
     }
 
     SAcc s;
@@ -275,7 +293,8 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
     if constexpr (kStages == 1) {
       cp_async_wait_all();
       __syncthreads();  // V landed; every warp is done with K
-      if (n0 + kBlockN < key_end) stage_k(n0 + kBlockN, 0);
+      if (n0 + kBlockN < key_end) stage_k(n0 + kBlockN, 0, page_next);
+      advance_pages(n0);
     }
     if constexpr (Atom::kAccumIsA) {
       warp_gemm_accum_a<Atom, Elem>(o, s, v_op(buf), n_extent, lane);
