@@ -217,6 +217,13 @@ struct SharedPairs {
   }
 };
 
+// compute_p_ds's path for a warp tile that needs no bounds (a compile-time flag: NVRTC has no
+// <type_traits>).
+template <bool kWhole>
+struct WholeTile {
+  static constexpr bool value = kWhole;
+};
+
 // Recomputes P = exp(S * scale + bias - lse) (general variant: BwdSmem's row_base and log2_norm
 // in place of lse) of the (m0, n0) tile and dS = P * (dP - D) with dP = dO V^T (times the
 // dropout factors), and stores P (times the keep mask) and dS (as Elem) into shared memory for
@@ -244,126 +251,151 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
   // A warp tile whose keys are all past the last one (a sequence's last key tile) skips its
   // products: hide() below makes every entry -inf, so P = dS = 0 as computed.
   const bool has_keys = n0 + c0 < vis.len_kv;
-  const auto product = [&](Acc& acc, const uint16_t* a, const uint16_t* b) {
-    acc.zero();
-    if (!has_keys) return;
-    warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(
-        acc, KMajor{a + r0 * Cfg::kLdE, Cfg::kLdE}, KMajor{b + c0 * Cfg::kLdE, Cfg::kLdE},
-        k_extent, Cfg::kSCols, lane);
-  };
-  if constexpr (kSplit) {
-    product(first, p_warp ? sm.q : sm.dout, p_warp ? sm.k : sm.v);
-  } else {
-    product(s, sm.q, sm.k);
-    product(dp, sm.dout, sm.v);
-  }
-  // Base and D of the rows this lane holds; the base in base 2 for the plain variant (one FMA
-  // per score), in natural-log units for the general one (scores - base first: finfo.min
-  // biases), which adds the row's log2 normalizer in the same FMA.
-  const float log2_unit = scale * kLog2e;
-  float base[Acc::kFragM][Atom::kRowSlots], log2_norm[Acc::kFragM][Atom::kRowSlots],
-      dsum[Acc::kFragM][Atom::kRowSlots];
-#pragma unroll
-  for (int fm = 0; fm < Acc::kFragM; ++fm)
-#pragma unroll
-    for (int sl = 0; sl < Atom::kRowSlots; ++sl) {
-      const int r = r0 + Acc::row_of(lane, fm, sl);
-      base[fm][sl] = sm.row_base[r];
-      if constexpr (Cfg::kGeneral) log2_norm[fm][sl] = sm.log2_norm[r];
-      dsum[fm][sl] = sm.dsum[r];
-    }
-  if (!kSplit || p_warp) {
-    // Scores as in the forward (raw for the plain variant, scaled plus bias for the general
-    // one); hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get
-    // probability 0.
-    if constexpr (Cfg::kGeneral) s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
-    vis.hide(s, lane, m0 + r0, n0 + c0);
-    if constexpr (Cfg::kGeneral) {
-      head.mods.apply(s, lane, m0 + r0, n0 + c0);
-      head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
-    }
-    s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
-      if constexpr (Cfg::kGeneral) {
-        x = x == neg_inf() ? 0.0f : fast_exp2(fmaf(x - base[fm][sl], kLog2e, log2_norm[fm][sl]));
+  // A whole tile (every head-dim column, every entry visible; plain and dropout variants, S and
+  // dP on the same warp) runs from S's first MMA to dS without an exit: one basic block, in which
+  // ptxas can overlap dP's fragment loads and MMAs with S's and with P's exponentials. The exits
+  // of the partial-tile paths (the extent and mask tests) would end a block between them.
+  // Not on the wide tiles: at 255 registers nvcc 13 spills there with one block (sm_90).
+  constexpr bool kMayBeWhole = !kSplit && !Cfg::kGeneral && Cfg::kSize == BwdTileSize::kCompact;
+  const bool whole = kMayBeWhole && has_keys && k_extent == Cfg::kHeadDim &&
+                     !vis.tile_needs_mask(m0 + r0, Cfg::kSRows, n0 + c0, Cfg::kSCols);
+  // S, P, dP and dS into `s` and `dp`; false where the warp is done (split: the S warps, once P
+  // is stored).
+  const auto scores = [&](auto whole_tile) {
+    constexpr bool kWhole = decltype(whole_tile)::value;
+    const auto product = [&](Acc& acc, const uint16_t* a, const uint16_t* b) {
+      acc.zero();
+      const KMajor a_op{a + r0 * Cfg::kLdE, Cfg::kLdE}, b_op{b + c0 * Cfg::kLdE, Cfg::kLdE};
+      if constexpr (kWhole) {
+        warp_gemm_whole<Atom, Elem, Cfg::kHeadDim>(acc, a_op, b_op, lane);
       } else {
-        x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));  // 0 for -inf (base finite or +inf)
+        if (!has_keys) return;
+        warp_gemm<Atom, Elem, Cfg::kHeadDim, Cfg::kStraightScores>(acc, a_op, b_op, k_extent,
+                                                                   Cfg::kSCols, lane);
       }
-    });
-  }
-  if constexpr (kSplit) {
-    if (p_warp) store_accum_smem<Elem>(s, sm.p, Cfg::kLdN, r0, c0, lane);
-    __syncthreads();
-    if (p_warp) return;
-  }
-  // dP's warps read P where it is, a pair of registers at a time: their own accumulator, or
-  // (split) the S warps' P in shared memory, so that they hold no second tile.
-  const auto ds_from_p = [&](const auto& prob_pairs) {
-    const bool softcap = Cfg::kGeneral && head.mods.softcap();
-    if constexpr (Cfg::kDropout) {
-      // A scheduling fence: without it ptxas starts the Philox calls among the exponentials and
-      // spills the mask + dropout variant (8-16 bytes at 255 registers, sm_80).
-      __syncwarp();
-      // With the dropout factor z = Z / (1 - p) (keep mask Z): dS = P (dP z - D), and P z is
-      // what dV multiplies. One select per entry; the rest are FMA-pipe products.
-      const float inv_keep = dropout.inv_keep();
-      dropout.for_each_keep_pair<Atom, Acc>(
-          lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
-            const int sl = Atom::row_slot(i);
-            const float d_row = dsum[fm][sl];
-            const float z[2] = {k0 ? inv_keep : 0.0f, k1 ? inv_keep : 0.0f};
-            float prob[2];
-            prob_pairs.get(fm, fn, i, prob);
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& ds = dp.c[fm][fn][i + e];
-              ds = prob[e] * fmaf(ds, z[e], -d_row);
-              if constexpr (Cfg::kGeneral) {
-                if (softcap) {
-                  ds *= head.mods.softcap_grad(prob[e], base[fm][sl], log2_norm[fm][sl],
-                                               m0 + r0 + Acc::row_of(lane, fm, sl),
-                                               n0 + c0 + Acc::col_of(lane, fn, i + e));
-                }
-              }
-            }
-            if constexpr (kStoreP) prob_pairs.set(fm, fn, i, prob[0] * z[0], prob[1] * z[1]);
-          });
+    };
+    if constexpr (kSplit) {
+      product(first, p_warp ? sm.q : sm.dout, p_warp ? sm.k : sm.v);
     } else {
-      // f(fm, fn, i, sl, prob[2]) for each register pair and its P.
-      const auto for_each_prob_pair = [&](auto&& f) {
+      product(s, sm.q, sm.k);
+      product(dp, sm.dout, sm.v);
+    }
+    // Base and D of the rows this lane holds; the base in base 2 for the plain variant (one FMA
+    // per score), in natural-log units for the general one (scores - base first: finfo.min
+    // biases), which adds the row's log2 normalizer in the same FMA.
+    const float log2_unit = scale * kLog2e;
+    float base[Acc::kFragM][Atom::kRowSlots], log2_norm[Acc::kFragM][Atom::kRowSlots],
+        dsum[Acc::kFragM][Atom::kRowSlots];
 #pragma unroll
-        for (int fm = 0; fm < Acc::kFragM; ++fm)
+    for (int fm = 0; fm < Acc::kFragM; ++fm)
 #pragma unroll
-          for (int fn = 0; fn < Acc::kFragN; ++fn)
-#pragma unroll
-            for (int i = 0; i < Atom::kCRegs; i += 2) {
+      for (int sl = 0; sl < Atom::kRowSlots; ++sl) {
+        const int r = r0 + Acc::row_of(lane, fm, sl);
+        base[fm][sl] = sm.row_base[r];
+        if constexpr (Cfg::kGeneral) log2_norm[fm][sl] = sm.log2_norm[r];
+        dsum[fm][sl] = sm.dsum[r];
+      }
+    if (!kSplit || p_warp) {
+      // Scores as in the forward (raw for the plain variant, scaled plus bias for the general
+      // one); hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get
+      // probability 0.
+      if constexpr (Cfg::kGeneral) s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
+      if constexpr (!kWhole) vis.hide(s, lane, m0 + r0, n0 + c0);
+      if constexpr (Cfg::kGeneral) {
+        head.mods.apply(s, lane, m0 + r0, n0 + c0);
+        head.mask.add_bias(s, lane, m0 + r0, n0 + c0, vis.len_q);
+      }
+      s.for_each(lane, [&](int fm, int sl, int, int, float& x) {
+        if constexpr (Cfg::kGeneral) {
+          x = x == neg_inf() ? 0.0f : fast_exp2(fmaf(x - base[fm][sl], kLog2e, log2_norm[fm][sl]));
+        } else {
+          x = fast_exp2(fmaf(x, log2_unit, -base[fm][sl]));  // 0 for -inf (base finite or +inf)
+        }
+      });
+    }
+    if constexpr (kSplit) {
+      if (p_warp) store_accum_smem<Elem>(s, sm.p, Cfg::kLdN, r0, c0, lane);
+      __syncthreads();
+      if (p_warp) return false;
+    }
+    // dP's warps read P where it is, a pair of registers at a time: their own accumulator, or
+    // (split) the S warps' P in shared memory, so that they hold no second tile.
+    const auto ds_from_p = [&](const auto& prob_pairs) {
+      const bool softcap = Cfg::kGeneral && head.mods.softcap();
+      if constexpr (Cfg::kDropout) {
+        // A scheduling fence: without it ptxas starts the Philox calls among the exponentials and
+        // spills the mask + dropout variant (8-16 bytes at 255 registers, sm_80).
+        __syncwarp();
+        // With the dropout factor z = Z / (1 - p) (keep mask Z): dS = P (dP z - D), and P z is
+        // what dV multiplies. One select per entry; the rest are FMA-pipe products.
+        const float inv_keep = dropout.inv_keep();
+        dropout.for_each_keep_pair<Atom, Acc>(
+            lane, head.batch_head, m0 + r0, n0 + c0, [&](int fm, int fn, int i, bool k0, bool k1) {
+              const int sl = Atom::row_slot(i);
+              const float d_row = dsum[fm][sl];
+              const float z[2] = {k0 ? inv_keep : 0.0f, k1 ? inv_keep : 0.0f};
               float prob[2];
               prob_pairs.get(fm, fn, i, prob);
-              f(fm, fn, i, Atom::row_slot(i), prob);
-            }
-      };
-      for_each_prob_pair([&](int fm, int fn, int i, int sl, const float (&prob)[2]) {
-        dp.c[fm][fn][i] = prob[0] * (dp.c[fm][fn][i] - dsum[fm][sl]);
-        dp.c[fm][fn][i + 1] = prob[1] * (dp.c[fm][fn][i + 1] - dsum[fm][sl]);
-      });
-      if constexpr (Cfg::kGeneral) {
-        if (softcap) {  // dS of the scaled score: times softcap's 1 - tanh^2
-          for_each_prob_pair([&](int fm, int fn, int i, int sl, const float (&prob)[2]) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              dp.c[fm][fn][i + e] *= head.mods.softcap_grad(
-                  prob[e], base[fm][sl], log2_norm[fm][sl], m0 + r0 + Acc::row_of(lane, fm, sl),
-                  n0 + c0 + Acc::col_of(lane, fn, i + e));
-            }
-          });
+              for (int e = 0; e < 2; ++e) {
+                float& ds = dp.c[fm][fn][i + e];
+                ds = prob[e] * fmaf(ds, z[e], -d_row);
+                if constexpr (Cfg::kGeneral) {
+                  if (softcap) {
+                    ds *= head.mods.softcap_grad(prob[e], base[fm][sl], log2_norm[fm][sl],
+                                                 m0 + r0 + Acc::row_of(lane, fm, sl),
+                                                 n0 + c0 + Acc::col_of(lane, fn, i + e));
+                  }
+                }
+              }
+              if constexpr (kStoreP) prob_pairs.set(fm, fn, i, prob[0] * z[0], prob[1] * z[1]);
+            });
+      } else {
+        // f(fm, fn, i, sl, prob[2]) for each register pair and its P.
+        const auto for_each_prob_pair = [&](auto&& f) {
+#pragma unroll
+          for (int fm = 0; fm < Acc::kFragM; ++fm)
+#pragma unroll
+            for (int fn = 0; fn < Acc::kFragN; ++fn)
+#pragma unroll
+              for (int i = 0; i < Atom::kCRegs; i += 2) {
+                float prob[2];
+                prob_pairs.get(fm, fn, i, prob);
+                f(fm, fn, i, Atom::row_slot(i), prob);
+              }
+        };
+        for_each_prob_pair([&](int fm, int fn, int i, int sl, const float (&prob)[2]) {
+          dp.c[fm][fn][i] = prob[0] * (dp.c[fm][fn][i] - dsum[fm][sl]);
+          dp.c[fm][fn][i + 1] = prob[1] * (dp.c[fm][fn][i + 1] - dsum[fm][sl]);
+        });
+        if constexpr (Cfg::kGeneral) {
+          if (softcap) {  // dS of the scaled score: times softcap's 1 - tanh^2
+            for_each_prob_pair([&](int fm, int fn, int i, int sl, const float (&prob)[2]) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                dp.c[fm][fn][i + e] *= head.mods.softcap_grad(
+                    prob[e], base[fm][sl], log2_norm[fm][sl], m0 + r0 + Acc::row_of(lane, fm, sl),
+                    n0 + c0 + Acc::col_of(lane, fn, i + e));
+              }
+            });
+          }
         }
       }
+    };
+    if constexpr (kSplit) {
+      ds_from_p(SharedPairs<Atom, Elem, Acc>{sm.p + r0 * Cfg::kLdN + c0, Cfg::kLdN, lane});
+    } else {
+      ds_from_p(AccumPairs<Acc>{s});
     }
+    return true;
   };
-  if constexpr (kSplit) {
-    ds_from_p(SharedPairs<Atom, Elem, Acc>{sm.p + r0 * Cfg::kLdN + c0, Cfg::kLdN, lane});
+  bool stepped_on;
+  if constexpr (kMayBeWhole) {
+    stepped_on = whole ? scores(WholeTile<true>{}) : scores(WholeTile<false>{});
   } else {
-    ds_from_p(AccumPairs<Acc>{s});
+    stepped_on = scores(WholeTile<false>{});
   }
+  if (!stepped_on) return;
   if constexpr (Cfg::kGeneral && kWriteDMask) {
     if (head.dmask != nullptr) {
       dp.for_each(lane, [&](int, int, int r, int c, float& ds) {

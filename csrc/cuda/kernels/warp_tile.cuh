@@ -196,36 +196,51 @@ __device__ __forceinline__ void mma_k_step(Acc& acc, const uint32_t (&af)[Acc::k
 // V100 runs.
 constexpr __host__ __device__ int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
 constexpr int kVoltaFragmentRegs = 32;
-template <class Atom, class Elem, int kMaxK, bool kStraight = true, class Acc, class AOp, class BOp>
-__device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
-                                          int n_extent, int lane) {
+template <class Atom, class Elem, int kMaxK, class Acc, class AOp, class BOp, class Checked>
+__device__ __forceinline__ void warp_gemm_k_step(Acc& acc, const AOp& a, const BOp& b, int k0,
+                                                 int n_extent, int lane, Checked) {
+  if constexpr (AOp::kInRegisters) {
+    static_assert(AOp::kSteps == kMaxK / Atom::kK && AOp::kFragM == Acc::kFragM,
+                  "register operand must cover the product");
+    mma_k_step<Atom, Elem, Checked::value, AOp>(acc, a.frag[k0 / Atom::kK], b, k0, n_extent,
+                                                lane);
+  } else {
+    uint32_t af[Acc::kFragM][Atom::kARegs];
+#pragma unroll
+    for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
+    mma_k_step<Atom, Elem, Checked::value, AOp>(acc, af, b, k0, n_extent, lane);
+  }
+}
+template <class Atom, int kMaxK, class Acc, class AOp, class BOp>
+constexpr int warp_gemm_unroll() {
   constexpr int kSteps = kMaxK / Atom::kK;
   constexpr int kStepRegs = Acc::kFragM * Atom::kARegs + Acc::kFragN * Atom::kBRegs;
   constexpr int kVoltaUnroll = floor_pow2(kVoltaFragmentRegs / kStepRegs);
-  constexpr int kUnroll =
-      Atom::kLdmatrix || AOp::kInRegisters || kSteps < kVoltaUnroll ? kSteps : kVoltaUnroll;
-  const auto k_step = [&](int k0, auto checked) {
-    if constexpr (AOp::kInRegisters) {
-      static_assert(AOp::kSteps == kSteps && AOp::kFragM == Acc::kFragM,
-                    "register operand must cover the product");
-      mma_k_step<Atom, Elem, decltype(checked)::value, AOp>(acc, a.frag[k0 / Atom::kK], b, k0,
-                                                            n_extent, lane);
-    } else {
-      uint32_t af[Acc::kFragM][Atom::kARegs];
-#pragma unroll
-      for (int fm = 0; fm < Acc::kFragM; ++fm) Atom::load_a(a, fm * Atom::kM, k0, lane, af[fm]);
-      mma_k_step<Atom, Elem, decltype(checked)::value, AOp>(acc, af, b, k0, n_extent, lane);
-    }
-  };
-  if (kStraight && k_extent == kMaxK && n_extent >= Acc::kFragN * Atom::kN) {
+  return Atom::kLdmatrix || AOp::kInRegisters || kSteps < kVoltaUnroll ? kSteps : kVoltaUnroll;
+}
+// warp_gemm over the whole tile (k_extent == kMaxK, every column): no exit anywhere, so that a
+// caller can put several products and the math between them into one basic block.
+template <class Atom, class Elem, int kMaxK, class Acc, class AOp, class BOp>
+__device__ __forceinline__ void warp_gemm_whole(Acc& acc, const AOp& a, const BOp& b, int lane) {
+  constexpr int kUnroll = warp_gemm_unroll<Atom, kMaxK, Acc, AOp, BOp>();
 #pragma unroll kUnroll
-    for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) k_step(k0, BoundsChecked<false>{});
+  for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) {
+    warp_gemm_k_step<Atom, Elem, kMaxK>(acc, a, b, k0, Acc::kFragN * Atom::kN, lane,
+                                        BoundsChecked<false>{});
+  }
+}
+template <class Atom, class Elem, int kMaxK, bool kStraight = true, class Acc, class AOp, class BOp>
+__device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
+                                          int n_extent, int lane) {
+  constexpr int kUnroll = warp_gemm_unroll<Atom, kMaxK, Acc, AOp, BOp>();
+  if (kStraight && k_extent == kMaxK && n_extent >= Acc::kFragN * Atom::kN) {
+    warp_gemm_whole<Atom, Elem, kMaxK>(acc, a, b, lane);
     return;
   }
 #pragma unroll kUnroll
   for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) {
     if (k0 >= k_extent) break;
-    k_step(k0, BoundsChecked<true>{});
+    warp_gemm_k_step<Atom, Elem, kMaxK>(acc, a, b, k0, n_extent, lane, BoundsChecked<true>{});
   }
 }
 
