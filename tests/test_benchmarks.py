@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
