@@ -52,8 +52,7 @@ struct PagedRows {
   __device__ __forceinline__ const uint16_t* operator()(int r) const {
     const int row = first + r;
     const int page = page_size.quotient(row);
-    return head + static_cast<int64_t>(__ldg(table + page)) * page_stride +
-           static_cast<int64_t>(row - page * page_size.divisor) * row_stride;
+    return address(__ldg(table + page), page, row);
   }
 
   // The block-table entry of row 0's page.
@@ -64,10 +63,14 @@ struct PagedRows {
   // it), else nullptr; `entry` is first_entry(), read ahead by the caller.
   __device__ __forceinline__ const uint16_t* single_page(int rows, int entry) const {
     const int page = page_size.quotient(first);
-    return page == page_size.quotient(first + rows - 1)
-               ? head + static_cast<int64_t>(entry) * page_stride +
-                     static_cast<int64_t>(first - page * page_size.divisor) * row_stride
-               : nullptr;
+    return page == page_size.quotient(first + rows - 1) ? address(entry, page, first) : nullptr;
+  }
+
+ private:
+  // Cache row `row`, which lies in the sequence's page `page`, stored in cache page `entry`.
+  __device__ __forceinline__ const uint16_t* address(int entry, int page, int row) const {
+    return head + static_cast<int64_t>(entry) * page_stride +
+           static_cast<int64_t>(row - page * page_size.divisor) * row_stride;
   }
 };
 

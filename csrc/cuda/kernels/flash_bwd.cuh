@@ -299,7 +299,8 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
       // Scores as in the forward (raw for the plain variant, scaled plus bias for the general
       // one); hidden entries -inf, so that they (and whole hidden rows, lse = -inf) get
       // probability 0.
-      if constexpr (Cfg::kGeneral) s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
+      if constexpr (Cfg::kGeneral)
+        s.for_each(lane, [&](int, int, int, int, float& x) { x *= scale; });
       if constexpr (!kWhole) vis.hide(s, lane, m0 + r0, n0 + c0);
       if constexpr (Cfg::kGeneral) {
         head.mods.apply(s, lane, m0 + r0, n0 + c0);
@@ -389,13 +390,8 @@ __device__ __forceinline__ void compute_p_ds(const BwdSmem<Cfg>& sm, const BwdHe
     }
     return true;
   };
-  bool stepped_on;
-  if constexpr (kMayBeWhole) {
-    stepped_on = whole ? scores(WholeTile<true>{}) : scores(WholeTile<false>{});
-  } else {
-    stepped_on = scores(WholeTile<false>{});
-  }
-  if (!stepped_on) return;
+  // `whole` is false unless kMayBeWhole: then only the bounded instance exists.
+  if (!(whole ? scores(WholeTile<kMayBeWhole>{}) : scores(WholeTile<false>{}))) return;
   if constexpr (Cfg::kGeneral && kWriteDMask) {
     if (head.dmask != nullptr) {
       dp.for_each(lane, [&](int, int, int r, int c, float& ds) {

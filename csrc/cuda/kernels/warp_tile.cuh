@@ -211,7 +211,7 @@ __device__ __forceinline__ void warp_gemm_k_step(Acc& acc, const AOp& a, const B
     mma_k_step<Atom, Elem, Checked::value, AOp>(acc, af, b, k0, n_extent, lane);
   }
 }
-template <class Atom, int kMaxK, class Acc, class AOp, class BOp>
+template <class Atom, int kMaxK, class Acc, class AOp>
 constexpr int warp_gemm_unroll() {
   constexpr int kSteps = kMaxK / Atom::kK;
   constexpr int kStepRegs = Acc::kFragM * Atom::kARegs + Acc::kFragN * Atom::kBRegs;
@@ -222,7 +222,7 @@ constexpr int warp_gemm_unroll() {
 // caller can put several products and the math between them into one basic block.
 template <class Atom, class Elem, int kMaxK, class Acc, class AOp, class BOp>
 __device__ __forceinline__ void warp_gemm_whole(Acc& acc, const AOp& a, const BOp& b, int lane) {
-  constexpr int kUnroll = warp_gemm_unroll<Atom, kMaxK, Acc, AOp, BOp>();
+  constexpr int kUnroll = warp_gemm_unroll<Atom, kMaxK, Acc, AOp>();
 #pragma unroll kUnroll
   for (int k0 = 0; k0 < kMaxK; k0 += Atom::kK) {
     warp_gemm_k_step<Atom, Elem, kMaxK>(acc, a, b, k0, Acc::kFragN * Atom::kN, lane,
@@ -232,7 +232,7 @@ __device__ __forceinline__ void warp_gemm_whole(Acc& acc, const AOp& a, const BO
 template <class Atom, class Elem, int kMaxK, bool kStraight = true, class Acc, class AOp, class BOp>
 __device__ __forceinline__ void warp_gemm(Acc& acc, const AOp& a, const BOp& b, int k_extent,
                                           int n_extent, int lane) {
-  constexpr int kUnroll = warp_gemm_unroll<Atom, kMaxK, Acc, AOp, BOp>();
+  constexpr int kUnroll = warp_gemm_unroll<Atom, kMaxK, Acc, AOp>();
   if (kStraight && k_extent == kMaxK && n_extent >= Acc::kFragN * Atom::kN) {
     warp_gemm_whole<Atom, Elem, kMaxK>(acc, a, b, lane);
     return;
