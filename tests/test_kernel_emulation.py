@@ -457,6 +457,15 @@ def test_kvcache_paged_speculative_rows(emulators, tmp_path, atom, page_size):
                      seqlens=(5, 60, 93), leftpad=[0, 7, 40], num_splits=2)
 
 
+@pytest.mark.parametrize("atom", ATOMS)
+def test_kvcache_paged_splits_past_32_pages(emulators, tmp_path, atom):
+    # 36 pages of one key tile each: a split's first pages come from the lanes' copy of the
+    # table's first 32 entries (TableHead), or from memory where they lie past it (the last
+    # split of the longest sequence).
+    run_kvcache_case(emulators, tmp_path, atom=atom, head_dim=128, page_size=64, cache_rows=2304,
+                     seqlens=(3, 1500, 2303), num_splits=12)
+
+
 @pytest.mark.parametrize("interleaved, page_size", [(True, 0), (False, 0), (True, 64)])
 @pytest.mark.parametrize("atom", ATOMS)
 def test_kvcache_rotary_prefill_chunk(emulators, tmp_path, atom, interleaved, page_size):

@@ -4,9 +4,9 @@
 // one after another, sharing one copy of each shared-memory array.
 //
 // What it emulates: threadIdx / blockIdx / blockDim / gridDim, __syncthreads (live threads),
-// __syncwarp, __shfl_xor_sync, __any_sync, the tensor-core instructions of both atoms from the
-// PTX ISA's fragment maps, independently of the atoms' own (mma.sync.m8n8k4; ldmatrix .x2/.x4
-// with and without .trans and mma.sync.m16n8k16 in fp16 and bf16), cp.async (a synchronous copy:
+// __syncwarp, __shfl_xor_sync, __shfl_sync, __any_sync, the tensor-core instructions of both atoms
+// from the PTX ISA's fragment maps, independently of the atoms' own (mma.sync.m8n8k4; ldmatrix
+// .x2/.x4 with and without .trans and mma.sync.m16n8k16 in fp16 and bf16), cp.async (a synchronous copy:
 // one order the asynchronous one may take), the fp16 conversions and the approximate exp2 / log2 /
 // rcp (exact host math: results differ from a GPU's by rounding), and atomicAdd (fibers never
 // interleave inside one). What it does not: data races (a missing barrier is not seen unless it
@@ -111,7 +111,7 @@ struct Fiber {
 struct Warp {
   int arrived = 0;
   long generation = 0;
-  uint64_t exchange[32];  // __shfl_xor_sync / __any_sync values, ldmatrix addresses
+  uint64_t exchange[32];  // shuffled / __any_sync values, ldmatrix addresses
   uint32_t mma_a[32][4], mma_b[32][2];
 };
 
@@ -278,15 +278,26 @@ Warp& share_fragments(const uint32_t (&a)[kARegs], const uint32_t (&b)[kBRegs]) 
 inline void __syncthreads() { cuda_emulation::block_barrier(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emulation::warp_barrier(); }
 
+namespace cuda_emulation {
+// Every lane posts `v`, then takes lane `src`'s.
+template <class T>
+inline T shuffle(T v, int src) {
+  Warp& w = warp();
+  w.exchange[lane()] = bits_of(v);
+  warp_barrier();
+  const T out = value_of_bits<T>(w.exchange[src & 31]);
+  warp_barrier();  // read before any lane posts its next value
+  return out;
+}
+}  // namespace cuda_emulation
+
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
-  cuda_emulation::Warp& w = cuda_emulation::warp();
-  const int lane = cuda_emulation::lane();
-  w.exchange[lane] = cuda_emulation::bits_of(v);
-  cuda_emulation::warp_barrier();
-  const T out = cuda_emulation::value_of_bits<T>(w.exchange[lane ^ lane_mask]);
-  cuda_emulation::warp_barrier();  // read before any lane posts its next value
-  return out;
+  return cuda_emulation::shuffle(v, cuda_emulation::lane() ^ lane_mask);
+}
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src_lane) {
+  return cuda_emulation::shuffle(v, src_lane);
 }
 
 inline bool __any_sync(unsigned, bool predicate) {

@@ -39,6 +39,22 @@ struct FastDivmod {
   }
 };
 
+// The first 32 entries of a block_table row, entry i in lane i of each warp. Loaded at kernel entry,
+// next to the sequence's length, they give a paged block its first key tiles' pages without a
+// table read that waits for that length (a short split's whole latency is such reads).
+struct TableHead {
+  static constexpr int kEntries = 32;
+  int32_t lane_entry = 0;
+
+  __device__ __forceinline__ void load(const int32_t* row, int64_t entries, int lane) {
+    if (lane < entries) lane_entry = __ldg(row + lane);
+  }
+  // The entry of the row's page `page`: from the lanes, else read from `row`. Warp-uniform `page`.
+  __device__ __forceinline__ int entry(const int32_t* row, int page) const {
+    return page < kEntries ? __shfl_sync(0xffffffffu, lane_entry, page) : __ldg(row + page);
+  }
+};
+
 // The rows of one key/value head of a sequence in a paged KV cache (KVCacheParams), for a tile
 // whose row 0 is the sequence's cache row `first`: row r is row (first + r) % page_size of page
 // table[(first + r) / page_size].
@@ -55,9 +71,12 @@ struct PagedRows {
     return address(__ldg(table + page), page, row);
   }
 
-  // The block-table entry of row 0's page.
+  // The block-table entry of row 0's page: read from memory, or from `head`'s lanes.
   __device__ __forceinline__ int first_entry() const {
     return __ldg(table + page_size.quotient(first));
+  }
+  __device__ __forceinline__ int first_entry(const TableHead& head) const {
+    return head.entry(table, page_size.quotient(first));
   }
   // Row 0's address if rows [0, rows) lie in one page (then row r is at row_stride * r from
   // it), else nullptr; `entry` is first_entry(), read ahead by the caller.
@@ -75,8 +94,8 @@ struct PagedRows {
 };
 
 // Starts moving a block_table row's `entries` int32 entries into L2, one prefetch per 128-byte line
-// over the block's threads. A paged block's first K/V tile waits on two dependent reads (the
-// sequence's length, then its table entry); issued at kernel entry, the second one hits L2.
+// over the block's threads. Issued at kernel entry, the table reads past TableHead's entries (a
+// split deep in a long sequence, the loop's reads one tile ahead) hit L2.
 // A hint only: the host emulation has no L2 and skips it.
 template <int kThreads>
 __device__ __forceinline__ void prefetch_table_row(const int32_t* row, int64_t entries, int tid) {

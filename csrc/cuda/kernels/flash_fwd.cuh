@@ -68,9 +68,11 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
   const KVCacheParams& cache = p.kvcache;
   // The row's address is computed again for page_table below: kept live from here, it spilled
   // (sm_80, head-dim-128 paged decode kernel at its 168-register bound).
+  TableHead table_head;
   if constexpr (kPaged) {
-    prefetch_table_row<kThreads>(cache.block_table + b * cache.block_table_stride,
-                                 cache.block_table_cols, tid);
+    const int32_t* const row = cache.block_table + b * cache.block_table_stride;
+    table_head.load(row, cache.block_table_cols, lane);
+    prefetch_table_row<kThreads>(row, cache.block_table_cols, tid);
   }
   write_rng_state(p.dropout);
   const SequenceSpan seq = sequence_span(p, b);
@@ -108,11 +110,15 @@ __global__ void __launch_bounds__(FwdConfig<Atom, kHeadDim, kVariant, kShape, kP
 
   // Paged: the block-table entry of a key tile's first row, read one tile ahead of the tile's
   // copies (page_now: tile n0 of the loop, page_next: tile n0 + kBlockN), so that no copy waits
-  // for a table read. K and V share the table.
+  // for a table read. K and V share the table. The first two come from table_head.
   const auto read_page_ahead = [&](int n0) {
     return kPaged && n0 < key_end ? paged_rows(k_head, p.k_strides, n0).first_entry() : 0;
   };
-  int page_now = read_page_ahead(key_begin), page_next = read_page_ahead(key_begin + kBlockN);
+  const auto first_page = [&](int n0) {
+    return kPaged && n0 < key_end ? paged_rows(k_head, p.k_strides, n0).first_entry(table_head)
+                                  : 0;
+  };
+  int page_now = first_page(key_begin), page_next = first_page(key_begin + kBlockN);
 
   // Key tile n0 of K or V (rows from `head`) into a K/V buffer. Paged: as a contiguous tile when
   // it lies in one page (the one block-table entry `page` instead of one per row, and contiguous
