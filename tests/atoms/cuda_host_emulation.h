@@ -6,12 +6,12 @@
 // What it emulates: threadIdx / blockIdx / blockDim / gridDim, __syncthreads (live threads),
 // __syncwarp, __shfl_xor_sync, __shfl_sync, __any_sync, the tensor-core instructions of both atoms
 // from the PTX ISA's fragment maps, independently of the atoms' own (mma.sync.m8n8k4; ldmatrix
-// .x2/.x4 with and without .trans and mma.sync.m16n8k16 in fp16 and bf16), cp.async (a synchronous copy:
-// one order the asynchronous one may take), the fp16 conversions and the approximate exp2 / log2 /
-// rcp (exact host math: results differ from a GPU's by rounding), and atomicAdd (fibers never
-// interleave inside one). What it does not: data races (a missing barrier is not seen unless it
-// changes the order the fibers run in), memory-model or timing effects. Include it before any
-// kernel header.
+// .x2/.x4 with and without .trans and mma.sync.m16n8k16 in fp16 and bf16), cp.async (a
+// synchronous copy: one order the asynchronous one may take), the fp16 conversions and the
+// approximate exp2 / log2 / rcp (exact host math: results differ from a GPU's by rounding), and
+// atomicAdd (fibers never interleave inside one). What it does not: data races (a missing barrier
+// is not seen unless it changes the order the fibers run in), memory-model or timing effects.
+// Include it before any kernel header.
 #pragma once
 
 #include <ucontext.h>

@@ -39,9 +39,9 @@ struct FastDivmod {
   }
 };
 
-// The first 32 entries of a block_table row, entry i in lane i of each warp. Loaded at kernel entry,
-// next to the sequence's length, they give a paged block its first key tiles' pages without a
-// table read that waits for that length (a short split's whole latency is such reads).
+// The first 32 entries of a block_table row, entry i in lane i of each warp. Loaded at kernel
+// entry, next to the sequence's length, they give a paged block its first key tiles' pages without
+// a table read that waits for that length (a short split's whole latency is such reads).
 struct TableHead {
   static constexpr int kEntries = 32;
   int32_t lane_entry = 0;
