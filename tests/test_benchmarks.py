@@ -522,3 +522,53 @@ def test_first_call_clock_starts_after_the_device_is_synchronized(monkeypatch):
                         torch.device("cpu"), reps=2)
     assert events[:2] == ["sync", "clock"], events
     assert r["first_fwdbwd_ms"] > 0
+
+
+def _logging_impl(name, log):
+    """naive attention that records each call's implementation name in `log`."""
+    naive = make_impls("cpu", ["naive"])[0]
+
+    def fn(q, k, v, causal, attn_mask=None, dropout_p=0.0):
+        log.append(name)
+        return naive.fn(q, k, v, causal, attn_mask, dropout_p)
+    return Impl(name, fn, "naive, logged")
+
+
+def test_rounds_measure_implementations_in_turn_and_combine_medians():
+    log = []
+    impls = [_logging_impl("a", log), _logging_impl("b", log)]
+    cfg = Config(1, 2, 2, 16, 16, 8, False)
+    doc = run_suite([cfg], "cpu", impls=impls, repetitions=2, rounds=3, progress=False)
+    runs = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
+    assert runs == ["a", "b"] * 3  # in turn, not each implementation's rounds back to back
+    assert doc["metadata"]["rounds"] == 3
+    assert "3 rounds" in report.markdown(doc)
+    for name in ("a", "b"):
+        r = doc["results"][0]["impls"][name]
+        assert r["status"] == "ok" and r["unstable"] is not None
+        for ph in ("fwd", "bwd", "fwdbwd"):
+            rounds = r[f"{ph}_ms_rounds"]
+            assert len(rounds) == 3 and r[f"{ph}_ms"] == sorted(rounds)[1]
+            assert r[f"{ph}_reps"] == 6
+            ratio = {"fwd": 1.0, "bwd": 2.5}.get(ph, 3.5)
+            assert r[f"tflops_{ph}"] == pytest.approx(
+                flops_fwd(cfg) * ratio / (r[f"{ph}_ms"] * 1e-3) / 1e12)
+
+
+def test_combine_rounds_reports_failures_and_leaves_out_skipped_rounds():
+    cfg = Config(1, 1, 1, 16, 16, 8, False)
+
+    def ok(ms):
+        return {"status": "ok", "fwd_ms": ms, "fwd_ms_p20": ms * 0.9, "fwd_ms_p80": ms * 1.1,
+                "fwd_reps": 5, "err_out": ms}
+    skipped = {"status": "skipped", "reason": "suite time budget of 1s exhausted"}
+    error = {"status": "error", "error": "boom"}
+    both = harness.combine_rounds(cfg, [ok(2.0), skipped, ok(4.0)])
+    assert both["fwd_ms"] == 3.0 and both["fwd_ms_rounds"] == [2.0, 4.0]
+    assert both["fwd_reps"] == 10 and both["err_out"] == 2.0  # accuracy of the first round
+    assert both["fwd_ms_p20"] == pytest.approx(2.7) and "bwd_ms" not in both
+    assert harness.combine_rounds(cfg, [ok(2.0), error, ok(4.0)]) == error
+    assert harness.combine_rounds(cfg, [skipped, skipped]) == skipped
+    assert harness.combine_rounds(cfg, [ok(2.0)]) == ok(2.0)
+    with pytest.raises(ValueError, match="rounds"):
+        run_suite([cfg], "cpu", impl_names=["naive"], repetitions=1, rounds=0, progress=False)

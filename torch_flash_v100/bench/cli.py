@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="instead of a time budget: time every measurement over exactly N "
                         "repetitions (after a warm-up); every measurement runs, whatever the "
                         "machine's speed or load")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="measure each configuration's implementations in turn N times and report "
+                        "each phase's median of the rounds' medians, so that clock changes (a "
+                        "GPU at its power cap) fall on all alike (default 1; not the decode suite)")
     p.add_argument("--timer", default="auto", choices=["auto", "events", "do_bench"],
                    help="CUDA timer: own CUDA-event loop, triton.testing.do_bench, or auto (default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,6 +79,10 @@ def run(args) -> int:
         return 0
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or (args.rounds != 1 and args.suite == "decode"):
+        print("error: --rounds needs N >= 1, and the decode suite takes none (each of its steps is "
+              "timed in one run)", file=sys.stderr)
         return 2
     if args.suite == "decode":
         from . import decode
@@ -100,6 +108,8 @@ def run(args) -> int:
     else:
         budget = args.time_budget if args.time_budget is not None else SUITES[args.suite][2]
         timing = f"time budget {budget:.0f}s"
+    if args.rounds > 1:
+        timing += f", {args.rounds} rounds"
     impl_names = [s.strip() for s in args.impls.split(",")] if args.impls else None
     unknown = [n for n in impl_names or [] if n not in IMPL_NAMES]
     if unknown:
@@ -120,7 +130,7 @@ def run(args) -> int:
           file=sys.stderr)
     doc = run_suite(configs, device, impl_names=impl_names, time_budget_s=budget,
                     repetitions=repetitions, progress=not args.no_progress, timer=args.timer,
-                    suite=args.suite, on_config_done=save_partial)
+                    suite=args.suite, rounds=args.rounds, on_config_done=save_partial)
     text = report.markdown(doc)
     print(text)
     if json_path:

@@ -28,6 +28,10 @@ Method (also written into every JSON under metadata.method):
     implementation.
   * unstable: a measurement whose p80 / p20 exceeds UNSTABLE_SPREAD in a phase, or whose fwd+bwd
     is faster than its fwd or bwd alone, lists why under ``unstable`` (empty when neither).
+  * rounds (``rounds`` > 1): each configuration's implementations are measured in turn, that many
+    times, and each phase reports the median of the rounds' medians (``<phase>_ms_rounds`` lists
+    them), so that a GPU's clock changes (a power cap at long shapes) fall on all implementations
+    alike instead of on whichever ran last.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import datetime as _dt
 import gc
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -51,7 +56,7 @@ from .suites import BWD_FLOP_RATIO, Config, flops_fwd
 
 __all__ = ["run_suite", "collect_metadata", "time_fn", "peak_memory_mb", "reference_grads",
            "default_dtype", "DTYPES", "make_attn_mask", "padding_lengths", "overheads",
-           "unstable_reasons", "UNSTABLE_SPREAD"]
+           "unstable_reasons", "UNSTABLE_SPREAD", "combine_rounds"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -203,6 +208,8 @@ def collect_metadata(device: torch.device) -> Dict[str, Any]:
         "errors": ("max abs error vs fp64 reference, same inputs, attn_mask and output gradient; "
                    "not applicable with dropout"),
         "overhead": "time(variant) / time(same shape without mask and dropout), per implementation",
+        "rounds": ("rounds > 1: a configuration's implementations measured in turn that many "
+                   "times; each time the median of the rounds' medians (<phase>_ms_rounds)"),
     }
     return md
 
@@ -234,13 +241,13 @@ class _Progress:
             except Exception:
                 self.bar = None
 
-    def step(self, desc: str):
-        self.i += 1
+    def step(self, desc: str, n: int = 1):
+        self.i += n
         if not self.enabled:
             return
         if self.bar is not None:
             self.bar.set_description(desc[:60])
-            self.bar.update(1)
+            self.bar.update(n)
         else:
             print(f"[{self.i}/{self.total}] {desc}", file=sys.stderr, flush=True)
 
@@ -288,7 +295,6 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
     accuracy_not_applicable(cfg). Each of fwd, bwd, fwd+bwd (and on CUDA graph-replayed fwd+bwd)
     is timed over ``reps`` repetitions, or over an equal share of ``budget_s``."""
     q, k, v, dout, mask = inputs
-    flops = flops_fwd(cfg)
     res: Dict[str, Any] = {"status": "ok"}
 
     def call():
@@ -350,22 +356,59 @@ def measure(impl: Impl, cfg: Config, inputs, ref, device: torch.device,
         tfb = time_fn(fb, device, b, reps=reps, setup=zero, estimate_ms=tf["ms"] + tb["ms"],
                       timer=timer)
         zero()
-        timings = [("fwd", tf, flops), ("bwd", tb, flops * BWD_FLOP_RATIO),
-                   ("fwdbwd", tfb, flops * (1 + BWD_FLOP_RATIO))]
+        timings = [("fwd", tf), ("bwd", tb), ("fwdbwd", tfb)]
         if graphed:
             try:
                 timings.append(("graph_fwdbwd", _time_graphed_fwd_bwd(call, (q, k, v), dout, device,
-                                                                     b, reps, tfb["ms"], timer),
-                                flops * (1 + BWD_FLOP_RATIO)))
+                                                                     b, reps, tfb["ms"], timer)))
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 res["graph_error"] = " ".join(str(e).split())[:300]
-    for name, t, fl in timings:
+    for name, t in timings:
         res[f"{name}_ms"] = t["ms"]
         res[f"{name}_ms_p20"] = t["p20"]
         res[f"{name}_ms_p80"] = t["p80"]
         res[f"{name}_reps"] = t["reps"]
-        res[f"tflops_{name}"] = fl / (t["ms"] * 1e-3) / 1e12 if t["ms"] > 0 else None
+        res[f"tflops_{name}"] = _tflops(cfg, name, t["ms"])
         res["timer"] = t["timer"]
+    res["unstable"] = unstable_reasons(res)
+    return res
+
+
+def _tflops(cfg: Config, phase: str, ms: float) -> Optional[float]:
+    """TFLOP/s of one phase (PHASES) at ``ms`` milliseconds."""
+    flops = flops_fwd(cfg) * {"fwd": 1.0, "bwd": BWD_FLOP_RATIO}.get(phase, 1 + BWD_FLOP_RATIO)
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else None
+
+
+def combine_rounds(cfg: Config, rounds: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One implementation's results of ``cfg`` from several rounds (run_suite's ``rounds``) as
+    one: per phase the median of the rounds' medians (listed in ``<phase>_ms_rounds``), the
+    median of their p20 and p80, the repetitions summed; accuracy and memory from the first
+    round. A round that failed (error, unsupported) is the result; rounds skipped for the time
+    budget are left out (all skipped: skipped)."""
+    failed = [r for r in rounds if r.get("status") not in ("ok", "skipped")]
+    ran = [r for r in rounds if r.get("status") == "ok"]
+    if failed or not ran:
+        return (failed or list(rounds))[0]
+    if len(ran) == 1:
+        return ran[0]
+    res = dict(ran[0])
+    for ph in PHASES:
+        meds = [r.get(f"{ph}_ms") for r in ran]
+        if any(m is None for m in meds):  # a phase not every round has (a graph capture failed)
+            for key in (f"{ph}_ms", f"{ph}_ms_p20", f"{ph}_ms_p80", f"{ph}_reps", f"tflops_{ph}"):
+                res.pop(key, None)
+            continue
+        res[f"{ph}_ms"] = statistics.median(meds)
+        res[f"{ph}_ms_rounds"] = meds
+        for q in ("p20", "p80"):
+            res[f"{ph}_ms_{q}"] = statistics.median(r[f"{ph}_ms_{q}"] for r in ran)
+        reps = [r.get(f"{ph}_reps") for r in ran]
+        res[f"{ph}_reps"] = None if None in reps else sum(reps)
+        res[f"tflops_{ph}"] = _tflops(cfg, ph, res[f"{ph}_ms"])
+    graph_errors = [r["graph_error"] for r in ran if "graph_error" in r]
+    if graph_errors:
+        res["graph_error"] = graph_errors[0]
     res["unstable"] = unstable_reasons(res)
     return res
 
@@ -469,7 +512,7 @@ def _make_inputs(cfg: Config, device: torch.device, seed: int = 0):
 def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[List[str]] = None,
               impls: Optional[List[Impl]] = None, time_budget_s: Optional[float] = None,
               repetitions: Optional[int] = None, progress: bool = True, timer: str = "auto",
-              suite: str = "custom",
+              suite: str = "custom", rounds: int = 1,
               on_config_done: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run every implementation on every configuration; returns the JSON-able result document.
 
@@ -478,11 +521,14 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
     and reported does not depend on the machine's speed or load. Otherwise ``time_budget_s``
     bounds the whole run: repetitions are spread over what is left, and past 1.1x the budget the
     remaining measurements are skipped (recorded as such); with neither, each measurement
-    takes about 0.3 s. ``on_config_done`` gets the partial document after every configuration
-    (for incremental saves).
+    takes about 0.3 s. ``rounds`` > 1 measures a configuration's implementations in turn that
+    many times (combine_rounds), the budget shared among the rounds. ``on_config_done`` gets
+    the partial document after every configuration (for incremental saves).
     """
     if repetitions is not None and time_budget_s is not None:
         raise ValueError("run_suite: give repetitions or time_budget_s, not both")
+    if rounds < 1:
+        raise ValueError(f"run_suite: rounds must be >= 1, got {rounds}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -503,6 +549,7 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
     doc["metadata"]["time_budget_s"] = time_budget_s
     doc["metadata"]["repetitions"] = repetitions
     doc["metadata"]["timer"] = timer
+    doc["metadata"]["rounds"] = rounds
     runnable = [im for im in impls if im.available]
     # "overhead" (variant vs plain times) only in documents of suites with mask/dropout variants
     has_variants = any(c.variant() for c in configs)
@@ -515,7 +562,7 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
         if on_config_done:
             on_config_done(doc)
     _warm_device(device, sorted({c.dtype for c in configs}))
-    n_items = len(configs) * len(runnable)
+    n_items = len(configs) * len(runnable) * rounds
     done = 0
     bar = _Progress(n_items, progress)
     sticky: Optional[str] = None
@@ -546,47 +593,57 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
                 entry["error"] = f"inputs/reference failed: {err}"
                 for im in runnable:
                     entry["impls"][im.name] = {"status": "error", "error": entry["error"]}
-                    done += 1
-                    bar.step(f"{cfg.key()} {im.name}")
+                    done += rounds
+                    bar.step(f"{cfg.key()} {im.name}", rounds)
                 inputs = ref = None
                 _cleanup(device, collect=True)
                 publish(entry)
                 continue
-            for im in runnable:
-                elapsed = time.perf_counter() - t_start
-                left = n_items - done
-                if sticky:
-                    r = {"status": "error", "error": sticky}
-                elif time_budget_s is not None and elapsed >= 1.1 * time_budget_s:
-                    r = {"status": "skipped",
-                         "reason": f"suite time budget of {time_budget_s:.0f}s exhausted"}
-                else:
-                    if repetitions is not None:
-                        budget = None
-                    elif time_budget_s is None:
-                        budget = 0.3
+            per_round: Dict[str, List[Dict[str, Any]]] = {im.name: [] for im in runnable}
+            for _ in range(rounds):
+                for im in runnable:
+                    if any(r["status"] not in ("ok", "skipped") for r in per_round[im.name]):
+                        done += 1  # failed in an earlier round: not measured again
+                        bar.step(f"{cfg.key()} {im.name}")
+                        continue
+                    elapsed = time.perf_counter() - t_start
+                    left = n_items - done
+                    if sticky:
+                        r = {"status": "error", "error": sticky}
+                    elif time_budget_s is not None and elapsed >= 1.1 * time_budget_s:
+                        r = {"status": "skipped",
+                             "reason": f"suite time budget of {time_budget_s:.0f}s exhausted"}
                     else:
-                        # ~half of an item's share goes to the timed repetitions; the rest is the
-                        # accuracy/memory runs, warm-ups and the reference
-                        budget = max(0.03, min(3.0, 0.5 * (time_budget_s - elapsed) / max(1, left)))
-                    failed = False
-                    try:
-                        r = measure(im, cfg, inputs, ref, device, budget, timer=timer,
-                                    reps=repetitions)
-                    except Unsupported as e:
-                        failed = True
-                        r = {"status": "unsupported", "reason": _one_line(e)}
-                    except Exception as e:
-                        failed = True
-                        r = {"status": "error", "error": _short_error(e)}
-                        if device.type == "cuda" and _is_sticky_cuda_error(e):
-                            sticky = f"CUDA context unusable after an earlier error ({im.name}): {r['error']}"
-                    inputs[0].grad = inputs[1].grad = inputs[2].grad = None
-                    if failed:
-                        _cleanup(device, collect=True)
-                entry["impls"][im.name] = r
-                done += 1
-                bar.step(f"{cfg.key()} {im.name}")
+                        if repetitions is not None:
+                            budget = None
+                        elif time_budget_s is None:
+                            budget = 0.3
+                        else:
+                            # ~half of an item's share goes to the timed repetitions; the rest
+                            # is the accuracy/memory runs, warm-ups and the reference
+                            share = (time_budget_s - elapsed) / max(1, left)
+                            budget = max(0.03, min(3.0, 0.5 * share))
+                        failed = False
+                        try:
+                            r = measure(im, cfg, inputs, ref, device, budget, timer=timer,
+                                        reps=repetitions)
+                        except Unsupported as e:
+                            failed = True
+                            r = {"status": "unsupported", "reason": _one_line(e)}
+                        except Exception as e:
+                            failed = True
+                            r = {"status": "error", "error": _short_error(e)}
+                            if device.type == "cuda" and _is_sticky_cuda_error(e):
+                                sticky = ("CUDA context unusable after an earlier error "
+                                          f"({im.name}): {r['error']}")
+                        inputs[0].grad = inputs[1].grad = inputs[2].grad = None
+                        if failed:
+                            _cleanup(device, collect=True)
+                    per_round[im.name].append(r)
+                    done += 1
+                    bar.step(f"{cfg.key()} {im.name}")
+            for im in runnable:
+                entry["impls"][im.name] = combine_rounds(cfg, per_round[im.name])
             entry["speedup"] = _speedups(entry["impls"])
             del inputs, ref
             _cleanup(device)

@@ -72,6 +72,9 @@ def header_markdown(doc: Dict[str, Any]) -> str:
     lines.append(f"- timing: {reps} repetitions per measurement" if reps else
                  f"- timing: time budget {budget:g} s for the suite" if budget is not None else
                  "- timing: about 0.3 s per measurement")
+    if md.get("rounds", 1) > 1:
+        lines[-1] += (f"; {md['rounds']} rounds, a configuration's implementations in turn: each "
+                      "time the median of the rounds' medians")
     return "\n".join(lines)
 
 
