@@ -572,3 +572,10 @@ def test_combine_rounds_reports_failures_and_leaves_out_skipped_rounds():
     assert harness.combine_rounds(cfg, [ok(2.0)]) == ok(2.0)
     with pytest.raises(ValueError, match="rounds"):
         run_suite([cfg], "cpu", impl_names=["naive"], repetitions=1, rounds=0, progress=False)
+
+
+def test_rounds_argument_is_checked(capsys):
+    from torch_flash_v100.bench.cli import main as bench_main
+    assert bench_main(["--suite", "tiny", "--device", "cpu", "--rounds", "0"]) == 2
+    assert bench_main(["--suite", "decode", "--device", "cpu", "--rounds", "2"]) == 2
+    assert "--rounds" in capsys.readouterr().err
