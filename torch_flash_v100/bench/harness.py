@@ -380,13 +380,19 @@ def _tflops(cfg: Config, phase: str, ms: float) -> Optional[float]:
     return flops / (ms * 1e-3) / 1e12 if ms > 0 else None
 
 
+def _round_failed(r: Dict[str, Any]) -> bool:
+    """A round's result that ends its implementation's measurement of a configuration: an error
+    or unsupported (not ok, not skipped for the time budget)."""
+    return r.get("status") not in ("ok", "skipped")
+
+
 def combine_rounds(cfg: Config, rounds: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One implementation's results of ``cfg`` from several rounds (run_suite's ``rounds``) as
     one: per phase the median of the rounds' medians (listed in ``<phase>_ms_rounds``), the
     median of their p20 and p80, the repetitions summed; accuracy and memory from the first
     round. A round that failed (error, unsupported) is the result; rounds skipped for the time
     budget are left out (all skipped: skipped)."""
-    failed = [r for r in rounds if r.get("status") not in ("ok", "skipped")]
+    failed = [r for r in rounds if _round_failed(r)]
     ran = [r for r in rounds if r.get("status") == "ok"]
     if failed or not ran:
         return (failed or list(rounds))[0]
@@ -566,6 +572,40 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
     done = 0
     bar = _Progress(n_items, progress)
     sticky: Optional[str] = None
+
+    def measure_item(cfg: Config, im: Impl, inputs, ref) -> Dict[str, Any]:
+        """One implementation on one configuration, within the suite's time budget."""
+        nonlocal sticky
+        elapsed = time.perf_counter() - t_start
+        left = n_items - done
+        if sticky:
+            return {"status": "error", "error": sticky}
+        if time_budget_s is not None and elapsed >= 1.1 * time_budget_s:
+            return {"status": "skipped",
+                    "reason": f"suite time budget of {time_budget_s:.0f}s exhausted"}
+        if repetitions is not None:
+            budget = None
+        elif time_budget_s is None:
+            budget = 0.3
+        else:
+            # ~half of an item's share goes to the timed repetitions; the rest is the
+            # accuracy/memory runs, warm-ups and the reference
+            budget = max(0.03, min(3.0, 0.5 * (time_budget_s - elapsed) / max(1, left)))
+        failed = False
+        try:
+            r = measure(im, cfg, inputs, ref, device, budget, timer=timer, reps=repetitions)
+        except Unsupported as e:
+            failed = True
+            r = {"status": "unsupported", "reason": _one_line(e)}
+        except Exception as e:
+            failed = True
+            r = {"status": "error", "error": _short_error(e)}
+            if device.type == "cuda" and _is_sticky_cuda_error(e):
+                sticky = f"CUDA context unusable after an earlier error ({im.name}): {r['error']}"
+        inputs[0].grad = inputs[1].grad = inputs[2].grad = None
+        if failed:
+            _cleanup(device, collect=True)
+        return r
     try:
         for cfg in configs:
             entry: Dict[str, Any] = {"key": cfg.key(), "config": cfg.to_dict(), "flops_fwd": flops_fwd(cfg),
@@ -602,45 +642,9 @@ def run_suite(configs: Sequence[Config], device="cpu", *, impl_names: Optional[L
             per_round: Dict[str, List[Dict[str, Any]]] = {im.name: [] for im in runnable}
             for _ in range(rounds):
                 for im in runnable:
-                    if any(r["status"] not in ("ok", "skipped") for r in per_round[im.name]):
-                        done += 1  # failed in an earlier round: not measured again
-                        bar.step(f"{cfg.key()} {im.name}")
-                        continue
-                    elapsed = time.perf_counter() - t_start
-                    left = n_items - done
-                    if sticky:
-                        r = {"status": "error", "error": sticky}
-                    elif time_budget_s is not None and elapsed >= 1.1 * time_budget_s:
-                        r = {"status": "skipped",
-                             "reason": f"suite time budget of {time_budget_s:.0f}s exhausted"}
-                    else:
-                        if repetitions is not None:
-                            budget = None
-                        elif time_budget_s is None:
-                            budget = 0.3
-                        else:
-                            # ~half of an item's share goes to the timed repetitions; the rest
-                            # is the accuracy/memory runs, warm-ups and the reference
-                            share = (time_budget_s - elapsed) / max(1, left)
-                            budget = max(0.03, min(3.0, 0.5 * share))
-                        failed = False
-                        try:
-                            r = measure(im, cfg, inputs, ref, device, budget, timer=timer,
-                                        reps=repetitions)
-                        except Unsupported as e:
-                            failed = True
-                            r = {"status": "unsupported", "reason": _one_line(e)}
-                        except Exception as e:
-                            failed = True
-                            r = {"status": "error", "error": _short_error(e)}
-                            if device.type == "cuda" and _is_sticky_cuda_error(e):
-                                sticky = ("CUDA context unusable after an earlier error "
-                                          f"({im.name}): {r['error']}")
-                        inputs[0].grad = inputs[1].grad = inputs[2].grad = None
-                        if failed:
-                            _cleanup(device, collect=True)
-                    per_round[im.name].append(r)
-                    done += 1
+                    if not any(_round_failed(r) for r in per_round[im.name]):
+                        per_round[im.name].append(measure_item(cfg, im, inputs, ref))
+                    done += 1  # an implementation failed in an earlier round is not measured again
                     bar.step(f"{cfg.key()} {im.name}")
             for im in runnable:
                 entry["impls"][im.name] = combine_rounds(cfg, per_round[im.name])
