@@ -53,6 +53,7 @@ from typing import Optional
 import torch
 
 from .. import attention as _dense_attention
+from ..bert_padding import _cu_seqlens, pad_input
 from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __all__ = ["register", "attention_forward", "attention_mask", "DEFAULT_NAME"]
@@ -218,10 +219,6 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 
 # --- the attention function -----------------------------------------------------------------------
 
-def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-
-
 def _varlen(query, key, value, cu_q, cu_k, max_q, max_k, flash_kwargs):
     """varlen over [B, S, H, D] tensors whose rows are the packed tokens in order."""
     out = flash_attn_varlen_func(query.flatten(0, 1), key.flatten(0, 1), value.flatten(0, 1),
@@ -307,7 +304,7 @@ def _padded_varlen(query, key, value, padding, causal, flash_kwargs):
         value.flatten(0, 1).index_select(0, keep_k), cu_q, cu_k, max_q, max_k, causal=causal,
         **flash_kwargs)
     if keep_q is not None:
-        out = out.new_zeros((batch * len_q,) + tuple(out.shape[1:])).index_copy(0, keep_q, out)
+        return pad_input(out, keep_q, batch, len_q, check_index_values=False)
     return out.view(batch, len_q, *out.shape[1:])
 
 
