@@ -118,7 +118,8 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
                          "real or unused, not both)")
     indices = torch.nonzero(kept.flatten()).flatten()
     packed = index_first_axis(hidden_states.flatten(0, 1), indices, check_index_values=False)
-    return (packed, indices, _cu_seqlens(seqlens), longest, (attention_mask != 0).sum(dim=-1, dtype=torch.int32))
+    used = (attention_mask != 0).sum(dim=-1, dtype=torch.int32)
+    return packed, indices, _cu_seqlens(seqlens), longest, used
 
 
 def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor,
