@@ -127,11 +127,15 @@ def _mask_pattern(mask_function):
     first, second = (part.__qualname__ for part in parts)
     if first.startswith("sliding_window_overlay.") and parts[1] is mu.causal_mask_function:
         return "sliding", _closure(parts[0]).get("sliding_window")
-    if (first.startswith("remap_positions_for_packed_sequence.")
-            and second.startswith("packed_sequence_mask_function.")):
-        # Each packed sequence is causal, with the layer's window if it has one.
-        remapped = _mask_pattern(_closure(parts[0]).get("mask_function"))
-        if remapped is not None and remapped[0] in ("causal", "sliding"):
+    if second.startswith("packed_sequence_mask_function."):
+        # Each packed sequence is causal, with the layer's window if it has one: the layer's
+        # mask function itself (transformers <= 5.17: windows count positions in the packed row,
+        # the same differences) or over positions remapped per sequence (later releases).
+        layer_mask = parts[0]
+        if first.startswith("remap_positions_for_packed_sequence."):
+            layer_mask = _closure(parts[0]).get("mask_function")
+        layer_pattern = _mask_pattern(layer_mask) if callable(layer_mask) else None
+        if layer_pattern is not None and layer_pattern[0] in ("causal", "sliding"):
             return "packed", _closure(parts[1]).get("packed_sequence_mask")
     return None
 
