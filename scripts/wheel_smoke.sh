@@ -46,6 +46,18 @@ package = Path(torch_flash_v100.__file__).resolve()
 if site not in package.parents:
     sys.exit(f"wheel smoke: torch_flash_v100 imported from {package}, not from the wheel in {site}")
 print(f"torch_flash_v100 {torch_flash_v100.__version__} from {package.parent}")
+
+# The flash_attn-compatible modules ship in the wheel and run.
+import torch
+from torch_flash_v100 import bert_padding, flash_attn_interface
+from torch_flash_v100.layers import rotary
+
+x = torch.randn(2, 4, 2, 8)
+x_packed, indices, cu, longest, _ = bert_padding.unpad_input(x, torch.tensor([[0, 1, 1, 1]] * 2))
+x_packed = rotary.apply_rotary_emb(x_packed, torch.ones(4, 2), torch.zeros(4, 2), cu_seqlens=cu)
+out = flash_attn_interface.flash_attn_varlen_func(x_packed, x_packed, x_packed, cu, cu, longest,
+                                                  longest, causal=True)
+assert bert_padding.pad_input(out, indices, 2, 4).shape == x.shape
 EOF
 "$venv_py" -m torch_flash_v100 info
 "$venv_py" -m torch_flash_v100 bench --suite tiny --device cpu --impls flashv100,naive \
