@@ -16,6 +16,7 @@ import torch
 from . import _C  # noqa: F401  (loads the extension: registers the flashv100 ops)
 from . import _ops  # noqa: F401  (fake kernels and autograd)
 from . import _flash_ops  # noqa: F401  (the same for the FlashAttention-2 ops)
+from ._flash_attn_alias import alias_flash_attn
 from .reference import reference_attention
 
 __version__ = "0.1.0"
@@ -152,5 +153,6 @@ def __dir__():
 
 __all__ = [
     "attention", "build_info", "force_volta_atom", "set_force_volta_atom", "volta_atom",
-    "kernel_path", "reference_attention", "__version__", *_COMPILE_API, *_FLASH_ATTN_API,
+    "kernel_path", "reference_attention", "alias_flash_attn", "__version__", *_COMPILE_API,
+    *_FLASH_ATTN_API,
 ]
