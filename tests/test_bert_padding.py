@@ -4,6 +4,8 @@ and a padded batch through flash_attn_varlen_func against the per-sequence fp64 
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torch_flash_v100.bert_padding import (index_first_axis, index_put_first_axis, pad_input,
                                            unpad_input, unpad_input_for_concatenated_sequences)
@@ -138,3 +140,27 @@ def test_bad_input_raises_naming_the_argument(device):
         out = index_put_first_axis(hidden, torch.tensor([4, 1], device=device), 5,
                                    check_index_values=check)
         assert torch.equal(out[[4, 1]], hidden) and not out[[0, 2, 3]].any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(mask=st.lists(st.lists(st.booleans(), min_size=1, max_size=9), min_size=1, max_size=5)
+       .filter(lambda rows: len({len(r) for r in rows}) == 1),
+       unused_share=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_fuzz_unpad_pad_against_the_mask(mask, unused_share, seed):
+    """Random masks (unused tokens after a row's real ones): packing against a walk over the
+    mask, and the round trip at every position."""
+    attention = torch.tensor(mask, dtype=torch.int64)
+    batch, seqlen = attention.shape
+    # Unused tokens: the first `unused_share` padded positions of each row.
+    unused = torch.zeros_like(attention)
+    for b in range(batch):
+        free = [s for s in range(seqlen) if not mask[b][s]][:unused_share]
+        unused[b, free] = 1
+    hidden = torch.randn(batch, seqlen, 2, generator=torch.Generator().manual_seed(seed))
+    packed, indices, cu, longest, used = unpad_input(hidden, attention, unused)
+    kept = (attention + unused).bool()
+    expected_indices, lengths = _expected_packing(kept)
+    assert indices.tolist() == expected_indices
+    assert cu.tolist() == [0] + torch.tensor(lengths).cumsum(0).tolist()
+    assert longest == max(lengths) and used.tolist() == attention.sum(1).tolist()
+    assert torch.equal(pad_input(packed, indices, batch, seqlen), hidden * kept[:, :, None])

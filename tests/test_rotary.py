@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torch_flash_v100.flash_attn_interface import flash_attn_with_kvcache
 from torch_flash_v100.layers.rotary import (RotaryEmbedding, apply_rotary_emb,
@@ -194,3 +196,26 @@ def test_bad_input_raises_naming_the_argument(device):
     with pytest.raises(ValueError, match="positive even"):
         RotaryEmbedding(7)
     assert math.isfinite(float(apply_rotary_emb(x, cos, sin).sum()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=4), heads=st.integers(1, 3),
+       half_rotary=st.integers(1, 4), extra_dims=st.integers(0, 4), interleaved=st.booleans(),
+       offsets=st.lists(st.integers(0, 5), min_size=4, max_size=4), seed=st.integers(0, 2**16))
+def test_fuzz_packed_against_the_reference(lengths, heads, half_rotary, extra_dims, interleaved,
+                                           offsets, seed):
+    """Random packed batches: each sequence's tokens at its own offset, against the fp64
+    reference rotation sequence by sequence."""
+    offsets = offsets[:len(lengths)]
+    rows = max(n + o for n, o in zip(lengths, offsets)) + 1
+    cos, sin = _tables(rows, 2 * half_rotary, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), heads, 2 * half_rotary + extra_dims, generator=g,
+                    dtype=torch.float64)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    out = apply_rotary_emb(x, cos, sin, interleaved=interleaved, cu_seqlens=cu,
+                           max_seqlen=max(lengths), seqlen_offsets=torch.tensor(offsets))
+    expected = [apply_rotary(x[int(cu[b]):int(cu[b + 1])], cos, sin,
+                             torch.arange(offsets[b], offsets[b] + n), interleaved)
+                for b, n in enumerate(lengths)]
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-12, rtol=1e-12)
