@@ -23,7 +23,7 @@ _API_VERSION = "2.8.0"
 
 
 def _installed_flash_attn():
-    """The spec of a real flash_attn package on sys.path, else None."""
+    """The spec of a real, importable flash_attn package, else None."""
     existing = sys.modules.get("flash_attn")
     if existing is not None:
         return None if getattr(existing, _ALIAS_MARK, False) else existing.__spec__
