@@ -22,7 +22,7 @@ where flash_attn would count such a token twice in ``cu_seqlens`` but once in ``
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -99,27 +99,27 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
     """
     fn = "unpad_input"
     _check_mask(fn, "attention_mask", attention_mask, hidden_states)
-    kept = attention_mask != 0
-    checks = [_not_binary(attention_mask)]
+    real = attention_mask != 0
+    kept = real
+    # (message, bad) pairs, read back together with the longest length in one host read
+    checks = [("attention_mask must hold 0 or 1 only", _not_binary(attention_mask))]
     if unused_mask is not None:
         _check_mask(fn, "unused_mask", unused_mask, hidden_states)
-        checks += [_not_binary(unused_mask), (kept & (unused_mask != 0)).any()]
-        kept = kept | (unused_mask != 0)
+        unused = unused_mask != 0
+        checks += [("unused_mask must hold 0 or 1 only", _not_binary(unused_mask)),
+                   ("attention_mask and unused_mask both mark a token (a token is real or "
+                    "unused, not both)", (real & unused).any())]
+        kept = real | unused
     seqlens = kept.sum(dim=-1, dtype=torch.int32)
-    # One host read for the longest length and every check.
     longest, *failed = torch.stack(
         [seqlens.max() if seqlens.numel() else seqlens.new_zeros(())] +
-        [c.to(torch.int32) for c in checks]).tolist()
-    if failed[0] or (unused_mask is not None and failed[1]):
-        name = "attention_mask" if failed[0] else "unused_mask"
-        raise ValueError(f"{fn}: {name} must hold 0 or 1 only")
-    if unused_mask is not None and failed[2]:
-        raise ValueError(f"{fn}: attention_mask and unused_mask both mark a token (a token is "
-                         "real or unused, not both)")
+        [bad.to(torch.int32) for _, bad in checks]).tolist()
+    for (message, _), bad in zip(checks, failed):
+        if bad:
+            raise ValueError(f"{fn}: {message}")
     indices = torch.nonzero(kept.flatten()).flatten()
     packed = index_first_axis(hidden_states.flatten(0, 1), indices, check_index_values=False)
-    used = (attention_mask != 0).sum(dim=-1, dtype=torch.int32)
-    return packed, indices, _cu_seqlens(seqlens), longest, used
+    return packed, indices, _cu_seqlens(seqlens), longest, real.sum(dim=-1, dtype=torch.int32)
 
 
 def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor,
