@@ -74,12 +74,22 @@ def _positions(fn: str, x: torch.Tensor, cos: torch.Tensor, seqlen_offsets: Offs
             positions = positions + seqlen_offsets.to(device=x.device, dtype=torch.int64)[sequence]
         else:
             positions = positions + seqlen_offsets
-        if check:
-            first, last = torch.stack([starts[0], starts[-1]]).tolist()
-            if first != 0 or last != x.shape[0] or bool((starts.diff() < 0).any()):
-                raise ValueError(f"{fn}: cu_seqlens must rise from 0 to x's {x.shape[0]} tokens")
-    if check and positions.numel():
-        low, high = torch.stack([positions.min(), positions.max()]).tolist()
+    if not check:
+        return positions
+    # One host read: cu_seqlens' ends and order (packed x), then the positions' range.
+    values = []
+    if cu_seqlens is not None:
+        values = [starts[0], starts[-1], (starts.diff() < 0).any().to(torch.int64)]
+    if positions.numel():
+        values += [positions.min(), positions.max()]
+    values = torch.stack(values).tolist() if values else []
+    if cu_seqlens is not None:
+        first, last, falls = values[:3]
+        values = values[3:]
+        if first != 0 or last != x.shape[0] or falls:
+            raise ValueError(f"{fn}: cu_seqlens must rise from 0 to x's {x.shape[0]} tokens")
+    if values:
+        low, high = values
         if low < 0 or high >= table_rows:
             raise ValueError(f"{fn}: token positions {low}..{high} (seqlen_offsets included) must "
                              f"lie in the cos/sin table's {table_rows} rows")
@@ -113,6 +123,14 @@ def _rotated(fn: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int
     return out.to(x.dtype)
 
 
+def _rotate_in_place(fn: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     interleaved: bool, seqlen_offsets: Offsets,
+                     cu_seqlens: Optional[torch.Tensor], check: bool) -> None:
+    """x's first rotary_dim dims overwritten by their rotation (x may be a view)."""
+    out = _rotated(fn, x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, check)
+    x[..., :out.shape[-1]].copy_(out)
+
+
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      interleaved: bool = False, inplace: bool = False,
                      seqlen_offsets: Offsets = 0, cu_seqlens: Optional[torch.Tensor] = None,
@@ -134,11 +152,12 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             device-to-host copy where offsets or cu_seqlens are tensors).
     """
     del max_seqlen  # flash_attn's kernel grid size; nothing here depends on it
-    out = _rotated("apply_rotary_emb", x, cos, sin, interleaved, seqlen_offsets, cu_seqlens,
-                   check_index_values)
+    fn = "apply_rotary_emb"
     if inplace:
-        x[..., :out.shape[-1]].copy_(out)
+        _rotate_in_place(fn, x, cos, sin, interleaved, seqlen_offsets, cu_seqlens,
+                         check_index_values)
         return x
+    out = _rotated(fn, x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, check_index_values)
     return torch.cat([out, x[..., out.shape[-1]:]], dim=-1)
 
 
@@ -179,8 +198,7 @@ def apply_rotary_emb_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     cos_k = cos if cos_k is None else cos_k
     sin_k = sin if sin_k is None else sin_k
     for part, c, s in ((q, cos, sin), (k, cos_k, sin_k)):
-        out = _rotated(fn, part, c, s, interleaved, seqlen_offsets, None, check_index_values)
-        part[..., :out.shape[-1]].copy_(out)
+        _rotate_in_place(fn, part, c, s, interleaved, seqlen_offsets, None, check_index_values)
     return qkv
 
 
@@ -193,9 +211,8 @@ def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"{fn}: kv must be [batch, seqlen, 2, nheads, headdim], got "
                          f"{tuple(kv.shape)}")
-    k = kv[:, :, 0]
-    out = _rotated(fn, k, cos, sin, interleaved, seqlen_offsets, None, check_index_values)
-    k[..., :out.shape[-1]].copy_(out)
+    _rotate_in_place(fn, kv[:, :, 0], cos, sin, interleaved, seqlen_offsets, None,
+                     check_index_values)
     return kv
 
 
