@@ -210,13 +210,16 @@ TORCH_LIBRARY(flashv100, m) {
   // check_index_values=False: the CUDA op trusts the index tensors' values (no device-to-host
   // copies; the CPU op reads them on the host and checks them always).
   // out [B, Sq, Hq, D], softmax_lse fp32 [B, Hq, Sq]. No backward (as FlashAttention-2).
+  // cu_seqlens_q (flash_attn_varlen_func with block_table): q packed [total_q, Hq, D], sequence b
+  // its rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]), at most max_seqlen_q; out of q's shape,
+  // softmax_lse [Hq, total_q].
   m.def(
       "_kvcache_forward(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? rotary_cos, Tensor? rotary_sin, Tensor cache_seqlens, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, bool causal, "
       "int window_left, int window_right, float softcap, bool rotary_interleaved, "
-      "Tensor? alibi_slopes, int num_splits, bool check_index_values=True) -> (Tensor out, "
-      "Tensor softmax_lse)");
+      "Tensor? alibi_slopes, int num_splits, bool check_index_values=True, "
+      "Tensor? cu_seqlens_q=None, SymInt max_seqlen_q=0) -> (Tensor out, Tensor softmax_lse)");
   m.def(
       "_dropout_mask(Tensor rng_state, SymInt batch, SymInt heads, SymInt len_q, SymInt len_kv, "
       "float dropout_p) -> Tensor");

@@ -93,10 +93,9 @@ void check_saved_forward(const char* op, const at::Tensor& query, at::IntArrayRe
               rng_state.scalar_type(), rng_state.sizes());
 }
 
-// cu_seqlens of `rows` packed rows: int32 [batch + 1] on `device`, 0, non-decreasing, ending at
-// `rows`, no sequence longer than max_seqlen.
-void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, int64_t rows,
-                      const char* max_name, int64_t max_seqlen, const at::Device& device) {
+// cu_seqlens' layout: int32 [batch + 1], contiguous, on `device`.
+void check_cu_seqlens_layout(const char* op, const char* name, const at::Tensor& cu,
+                             const at::Device& device) {
   TORCH_CHECK(cu.scalar_type() == at::kInt, op, ": expected ", name, " of dtype int32, got ",
               cu.scalar_type());
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.is_contiguous(), op, ": expected ", name,
@@ -104,18 +103,32 @@ void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, in
               cu.strides());
   TORCH_CHECK(cu.device() == device, op, ": expected ", name, " on ", device,
               " (query's device), got ", cu.device());
-  const at::Tensor host = cu.device().is_cpu() ? cu : cu.to(at::kCPU);
-  const int32_t* offsets = host.data_ptr<int32_t>();
+}
+
+// cu_seqlens' values (`count` offsets, on the host) for `rows` packed rows: 0, non-decreasing,
+// ending at `rows`, no sequence longer than max_seqlen.
+void check_cu_seqlens_values(const char* op, const char* name, const int32_t* offsets,
+                             int64_t count, int64_t rows, const char* max_name,
+                             int64_t max_seqlen) {
   TORCH_CHECK(offsets[0] == 0, op, ": expected ", name, "[0] == 0, got ", offsets[0]);
-  for (int64_t b = 0; b + 1 < cu.size(0); ++b) {
+  for (int64_t b = 0; b + 1 < count; ++b) {
     const int64_t length = int64_t{offsets[b + 1]} - offsets[b];
     TORCH_CHECK(length >= 0, op, ": expected non-decreasing ", name, ", got ", name, "[", b + 1,
                 "] = ", offsets[b + 1], " < ", name, "[", b, "] = ", offsets[b]);
     TORCH_CHECK(length <= max_seqlen, op, ": sequence ", b, " has ", length, " rows (", name,
                 "), more than ", max_name, " = ", max_seqlen);
   }
-  TORCH_CHECK(offsets[cu.size(0) - 1] == rows, op, ": expected ", name, "[-1] == ", rows,
-              " (the packed rows), got ", offsets[cu.size(0) - 1]);
+  TORCH_CHECK(offsets[count - 1] == rows, op, ": expected ", name, "[-1] == ", rows,
+              " (the packed rows), got ", offsets[count - 1]);
+}
+
+// cu_seqlens of `rows` packed rows: its layout, and its values read on the host.
+void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, int64_t rows,
+                      const char* max_name, int64_t max_seqlen, const at::Device& device) {
+  check_cu_seqlens_layout(op, name, cu, device);
+  const at::Tensor host = cu.device().is_cpu() ? cu : cu.to(at::kCPU);
+  check_cu_seqlens_values(op, name, host.data_ptr<int32_t>(), cu.size(0), rows, max_name,
+                          max_seqlen);
 }
 
 TensorStrides flash_strides_of(const at::Tensor& t, bool varlen) {
@@ -451,13 +464,25 @@ namespace flashv100 {
 
 void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_values) {
   const at::Tensor &q = args.query, &k_cache = args.k_cache, &v_cache = args.v_cache;
-  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, op,
-              ": expected q [B, Sq, Hq, D] and k_cache, v_cache [B_cache, S_cache, Hkv, D] (or "
-              "[num_pages, page_size, Hkv, D] with block_table), got q ", q.sizes(), ", k_cache ",
-              k_cache.sizes(), ", v_cache ", v_cache.sizes());
+  TORCH_CHECK(q.dim() == (args.varlen_q() ? 3 : 4) && k_cache.dim() == 4 && v_cache.dim() == 4,
+              op, ": expected q [B, Sq, Hq, D] (or [total_q, Hq, D] with cu_seqlens_q) and "
+              "k_cache, v_cache [B_cache, S_cache, Hkv, D] (or [num_pages, page_size, Hkv, D] "
+              "with block_table), got q ", q.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ",
+              v_cache.sizes());
   check_qkv_dtype_and_device(op, q, k_cache, v_cache);
   const at::Device device = q.device();
-  const int64_t batch = q.size(0), len_q = q.size(1), heads_q = q.size(2), dim = q.size(3);
+  if (args.varlen_q()) {
+    check_cu_seqlens_layout(op, "cu_seqlens_q", *args.cu_seqlens_q, device);
+    TORCH_CHECK(args.max_seqlen_q >= 0, op, ": expected max_seqlen_q >= 0, got ",
+                args.max_seqlen_q);
+    // Packed queries attend to what the cache holds: FlashAttention-2's paged varlen forward.
+    TORCH_CHECK(args.paged() && !args.k.has_value() && !args.rotary_cos.has_value() &&
+                    args.num_splits <= 1,
+                op, ": packed queries (cu_seqlens_q) need block_table, and take no new k/v, no "
+                "rotary_cos/rotary_sin and num_splits 0 or 1");
+  }
+  const int64_t batch = args.batch(), len_q = args.len_q(), heads_q = args.heads_q();
+  const int64_t dim = args.head_dim();
   const int64_t heads_kv = k_cache.size(2);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": expected v_cache of k_cache's shape ",
               k_cache.sizes(), ", got ", v_cache.sizes());
@@ -542,10 +567,14 @@ void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_va
 
   std::vector<at::Tensor> indices{args.cache_seqlens};
   for (const std::optional<at::Tensor>* index :
-       {&args.cache_leftpad, &args.cache_batch_idx, &args.block_table}) {
+       {&args.cache_leftpad, &args.cache_batch_idx, &args.block_table, &args.cu_seqlens_q}) {
     if (index->has_value()) indices.push_back(**index);
   }
   const std::vector<at::Tensor> host = host_values(indices);
+  if (args.varlen_q()) {
+    check_cu_seqlens_values(op, "cu_seqlens_q", host.back().data_ptr<int32_t>(), batch + 1,
+                            q.size(0), "max_seqlen_q", len_q);
+  }
   auto next_host = host.begin();
   const int32_t* lens = (next_host++)->data_ptr<int32_t>();
   const int32_t* leftpad =
@@ -558,7 +587,11 @@ void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_va
     }
   }
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= 0 && lens[b] + seqlen_new <= capacity, op, ": cache_seqlens[", b,
+    // flash_attn_varlen_func passes cu_seqlens_k's differences as cache_seqlens.
+    TORCH_CHECK(lens[b] >= 0, op, ": cache_seqlens[", b, "] = ", lens[b],
+                args.varlen_q() ? " (cu_seqlens_k's difference there)" : "",
+                " is negative: a sequence's keys are never fewer than 0");
+    TORCH_CHECK(lens[b] + seqlen_new <= capacity, op, ": cache_seqlens[", b,
                 "] = ", lens[b], " with ", seqlen_new, " new rows does not fit a cache of ",
                 capacity, " rows per sequence", args.paged() ? " (max_pages * page_size)" : "");
     if (leftpad != nullptr) {
@@ -586,7 +619,9 @@ at::Tensor allocate_kvcache_out(const KVCacheArgs& args) {
 
 at::Tensor allocate_kvcache_lse(const KVCacheArgs& args) {
   const at::Tensor& q = args.query;
-  return at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_dtype_of(q)));
+  const at::TensorOptions options = q.options().dtype(lse_dtype_of(q));
+  if (args.varlen_q()) return at::empty({q.size(1), q.size(0)}, options);
+  return at::empty({q.size(0), q.size(2), q.size(1)}, options);
 }
 
 bool kvcache_q_positions_advance(const KVCacheArgs& args) {
@@ -619,11 +654,11 @@ KVAppendParams make_kvcache_append_params(const KVCacheArgs& args, const at::Ten
   const at::Tensor& q = args.query;
   KVAppendParams a;
   a.cache = kvcache_params_of(args);
-  a.batch = q.size(0);
-  a.heads_q = q.size(2);
+  a.batch = args.batch();
+  a.heads_q = args.heads_q();
   a.heads_kv = args.k_cache.size(2);
-  a.len_q = q.size(1);
-  a.head_dim = q.size(3);
+  a.len_q = args.len_q();
+  a.head_dim = args.head_dim();
   a.head_dim_v = args.v_cache.size(3);
   a.k_cache = args.k_cache.data_ptr();
   a.v_cache = args.v_cache.data_ptr();
@@ -636,7 +671,7 @@ KVAppendParams make_kvcache_append_params(const KVCacheArgs& args, const at::Ten
     a.v_new_strides = flash_strides_of(*args.v, false);
   }
   a.q = q.data_ptr();
-  a.q_strides = flash_strides_of(q, false);
+  a.q_strides = flash_strides_of(q, args.varlen_q());
   if (q_rotated.defined()) {
     a.q_rotated = q_rotated.data_ptr();
     a.q_rotated_strides = flash_strides_of(q_rotated, false);
@@ -651,29 +686,34 @@ KVAppendParams make_kvcache_append_params(const KVCacheArgs& args, const at::Ten
 
 ForwardParams make_kvcache_forward_params(const KVCacheArgs& args, const at::Tensor& query,
                                           const at::Tensor& out, const at::Tensor& softmax_lse) {
-  const int64_t batch = query.size(0), len_q = query.size(1), heads_q = query.size(2);
+  const bool varlen = args.varlen_q();
+  const int64_t batch = args.batch(), len_q = args.len_q(), heads_q = args.heads_q();
   const int64_t heads_kv = args.k_cache.size(2);
   ForwardParams p;
   p.shape = AttentionShape{batch,         heads_q,           heads_kv,          len_q,
-                           args.capacity(), query.size(3), args.v_cache.size(3)};
+                           args.capacity(), args.head_dim(), args.v_cache.size(3)};
   p.q = query.data_ptr();
   p.k = args.k_cache.data_ptr();
   p.v = args.v_cache.data_ptr();
   p.out = out.data_ptr();
   p.lse = softmax_lse.scalar_type() == at::kFloat ? softmax_lse.data_ptr<float>() : nullptr;
-  p.lse_layout = LseLayout{softmax_lse.stride(0), softmax_lse.stride(1)};
-  p.q_strides = flash_strides_of(query, false);
+  p.lse_layout = varlen ? LseLayout{0, softmax_lse.stride(0)}
+                        : LseLayout{softmax_lse.stride(0), softmax_lse.stride(1)};
+  p.q_strides = flash_strides_of(query, varlen);
   p.k_strides = flash_strides_of(args.k_cache, false);
   p.v_strides = flash_strides_of(args.v_cache, false);
-  p.out_strides = flash_strides_of(out, false);
+  p.out_strides = flash_strides_of(out, varlen);
   p.scale = args.softmax_scale;
   set_flash_score_rules(p, args.causal, args.window_left, args.window_right, len_q,
                         args.capacity(), args.softcap, args.alibi_slopes);
   p.kvcache = kvcache_params_of(args);
+  // Queries' rows of a packed batch (SequenceSpan: keys from the cache, queries from here).
+  if (varlen) p.varlen.cu_seqlens_q = args.cu_seqlens_q->data_ptr<int32_t>();
   // One query row sees every key of [0, len_kv) whatever causal and the right window say; with
   // no left window and no ALiBi (whose distances would change) the g = Hq / Hkv query heads of a
   // KV head become g rows of one head: row r of KV head h is query head h * g + r.
-  if (len_q == 1 && heads_q > heads_kv && p.window.left < 0 && p.score_mod.alibi_slopes == nullptr) {
+  if (!varlen && len_q == 1 && heads_q > heads_kv && p.window.left < 0 &&
+      p.score_mod.alibi_slopes == nullptr) {
     const int64_t group = heads_q / heads_kv;
     p.shape.heads_q = heads_kv;
     p.shape.len_q = group;

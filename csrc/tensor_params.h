@@ -95,7 +95,7 @@ BackwardParams make_flash_backward_params(const FlashArgs& args, const at::Tenso
 
 // The KV-cache op's arguments (flashv100::_kvcache_forward, flash_attn_with_kvcache).
 struct KVCacheArgs {
-  const at::Tensor& query;    // [B, Sq, Hq, D]
+  const at::Tensor& query;    // [B, Sq, Hq, D], or packed [total_q, Hq, D] with cu_seqlens_q
   const at::Tensor& k_cache;  // [B_cache, S_cache, Hkv, D], or paged [num_pages, page_size, Hkv, D]
   const at::Tensor& v_cache;
   const std::optional<at::Tensor>& k;  // [B, S_new, Hkv, D], appended at cache_seqlens
@@ -114,7 +114,16 @@ struct KVCacheArgs {
   bool rotary_interleaved;
   const std::optional<at::Tensor>& alibi_slopes;
   int64_t num_splits;
+  // Packed queries (flash_attn_varlen_func with block_table): sequence b is rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of query, at most max_seqlen_q of them.
+  const std::optional<at::Tensor>& cu_seqlens_q;
+  int64_t max_seqlen_q;
   bool paged() const { return block_table.has_value(); }
+  bool varlen_q() const { return cu_seqlens_q.has_value(); }
+  int64_t batch() const { return varlen_q() ? cu_seqlens_q->numel() - 1 : query.size(0); }
+  int64_t len_q() const { return varlen_q() ? max_seqlen_q : query.size(1); }
+  int64_t heads_q() const { return query.size(-2); }
+  int64_t head_dim() const { return query.size(-1); }
   int64_t seqlen_new() const { return k.has_value() ? k->size(1) : 0; }
   // Rows one sequence's cache holds: S_cache, or max_pages * page_size.
   int64_t capacity() const {
@@ -123,14 +132,16 @@ struct KVCacheArgs {
 };
 // Layouts, dtypes, devices and shapes (page_size a multiple of 16, block_table int32 [B, max_pages]
 // with a contiguous last dim, no cache_batch_idx with a paged cache, rotary_dim even and <= D with
-// enough cos/sin rows for every position, num_splits in [0, 128]) and, when check_values, the index
-// tensors' values, read on the host (one device-to-host copy for all on CUDA):
-// 0 <= cache_leftpad <= cache_seqlens, cache_seqlens + S_new <= capacity(), cache_batch_idx in
-// [0, B_cache), and the block_table entries of the pages that hold rows
-// [leftpad, cache_seqlens + S_new) in [0, num_pages). The CUDA op skips the values while its stream captures a CUDA graph, and when
-// its caller asks it to (check_index_values=False).
+// enough cos/sin rows for every position, num_splits in [0, 128]; packed queries only with
+// block_table and without new rows, rotary or a split) and, when check_values, the index tensors'
+// values, read on the host (one device-to-host copy for all on CUDA): cu_seqlens_q as
+// check_cu_seqlens says, 0 <= cache_leftpad <= cache_seqlens, cache_seqlens + S_new <= capacity(),
+// cache_batch_idx in [0, B_cache), and the block_table entries of the pages that hold rows
+// [leftpad, cache_seqlens + S_new) in [0, num_pages). The CUDA op skips the values while its
+// stream captures a CUDA graph, and when its caller asks it to (check_index_values=False).
 void check_kvcache_inputs(const char* op, const KVCacheArgs& args, bool check_values);
-// out [B, Sq, Hq, D] (query's dtype) and softmax_lse [B, Hq, Sq] (fp32; fp64 for fp64 inputs).
+// out of query's shape and dtype, and softmax_lse [B, Hq, Sq] ([Hq, total_q] for packed queries;
+// fp32, fp64 for fp64 inputs).
 at::Tensor allocate_kvcache_out(const KVCacheArgs& args);
 at::Tensor allocate_kvcache_lse(const KVCacheArgs& args);
 // Whether rotary embedding gives query row i position cache_seqlens + i (causal or windowed

@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,8 +146,11 @@ def main() -> int:
     nvrtc = load_nvrtc()
     failures: list[str] = []
     full_log = []
-    for arch in archs:
-        status, log, _ = compile_for(nvrtc, args.source, arch, args.include)
+    # One thread per arch: ctypes releases the GIL during each NVRTC compile, so they overlap.
+    with ThreadPoolExecutor(max_workers=len(archs)) as pool:
+        results = list(pool.map(
+            lambda arch: compile_for(nvrtc, args.source, arch, args.include), archs))
+    for arch, (status, log, _) in zip(archs, results):
         full_log.append(f"==== {arch} ====\n{log}")
         if status != 0:
             print(log)

@@ -2,9 +2,9 @@
 """A few odd shapes through the fused forward and backward on both atoms, in each kernel variant
 (plain, dropout alone, a broadcast additive mask plus dropout, a prefix padding mask), and the
 FlashAttention-2 ops on packed batches with empty sequences, windows, softcap, ALiBi, dropout and
-GQA, and flash_attn_with_kvcache (decode tile, paged caches, split-KV and its combine, rotary,
-left padding, batch indices, chunked prefill): the workload that scripts/gpu_check.sh runs under
-compute-sanitizer (memcheck, racecheck).
+GQA, flash_attn_with_kvcache (decode tile, paged caches, split-KV and its combine, rotary, left
+padding, batch indices, chunked prefill) and packed queries over a paged cache: the workload that
+scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 Exits non-zero on a non-finite result; the sanitizer reports memory errors and shared-memory
 races itself."""
 import argparse
@@ -117,6 +117,45 @@ def kvcache_cases() -> int:
     return bad
 
 
+PAGED_VARLEN_CASES = [  # (lengths_q, lengths_k, Hq, Hkv, D, page_size, causal, window)
+    ([0, 9, 1, 70], [5, 0, 1, 300], 8, 2, 128, 16, True, (-1, -1)),
+    ([1, 1, 40], [700, 33, 40], 4, 4, 64, 48, False, (20, 2)),
+]
+
+
+def paged_varlen_cases() -> int:
+    """flash_attn_varlen_func over a paged cache (packed queries), both atoms."""
+    from torch_flash_v100.flash_attn_interface import flash_attn_varlen_func
+
+    bad = 0
+    for force_volta in (True, False):
+        with tfv.volta_atom(force_volta):
+            for lq, lk, hq, hkv, d, page, causal, window in PAGED_VARLEN_CASES:
+                g = torch.Generator(device="cuda").manual_seed(0)
+                pages_of = [-(-n // page) for n in lk]
+                num_pages = sum(pages_of) + 1
+                k_cache, v_cache = (torch.randn(num_pages, page, hkv, d, device="cuda",
+                                                dtype=torch.float16, generator=g)
+                                    for _ in range(2))
+                order = torch.randperm(num_pages, device="cuda", generator=g).int()
+                table = torch.zeros(len(lk), max(pages_of), dtype=torch.int32, device="cuda")
+                first = 0
+                for b, n in enumerate(pages_of):
+                    table[b, :n] = order[first:first + n]
+                    first += n
+                cu_q = torch.tensor([0] + lq, device="cuda").cumsum(0).int()
+                cu_k = torch.tensor([0] + lk, device="cuda").cumsum(0).int()
+                q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.float16, generator=g)
+                out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lq), max(lk),
+                                             causal=causal, window_size=window,
+                                             block_table=table)
+                torch.cuda.synchronize()
+                if not torch.isfinite(out).all():
+                    print("non-finite result (paged varlen)", force_volta, (lq, lk, hq, d))
+                    bad += 1
+    return bad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=int, default=len(SHAPES),
@@ -151,6 +190,7 @@ def main() -> int:
                             bad += 1
     bad += flash_cases()
     bad += kvcache_cases()
+    bad += paged_varlen_cases()
     print("sanitize workload done,", bad, "bad results")
     return 1 if bad else 0
 

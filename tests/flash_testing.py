@@ -74,3 +74,26 @@ def assert_close(actual, expected, name):
 def grads(outputs, inputs, grad_out):
     return torch.autograd.grad(outputs, inputs, grad_out, allow_unused=True,
                                materialize_grads=True)
+
+
+def paged_cache(k, v, cu_k, page_size, seed=0):
+    """Packed keys/values [total_k, Hkv, D] (sequence b: rows cu_k[b]:cu_k[b + 1]) moved into
+    shuffled pages of a paged cache whose other rows are NaN: (k_cache, v_cache, block_table
+    int32 [B, max_pages]). A sequence's table entries past its pages hold a page index far
+    outside the cache: neither those nor the NaN rows may ever be read."""
+    lens = (cu_k[1:] - cu_k[:-1]).tolist()
+    pages_of = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_of) + 3
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    shape = (num_pages, page_size, *k.shape[1:])
+    k_cache = torch.full(shape, float("nan"), dtype=k.dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=v.dtype)
+    table = torch.full((len(lens), max(pages_of) + 1), 1 << 30, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for i in range(pages_of[b]):
+            page, rows = order.pop(), slice(int(cu_k[b]) + i * page_size,
+                                            int(cu_k[b]) + min(n, (i + 1) * page_size))
+            table[b, i] = page
+            k_cache[page, :rows.stop - rows.start] = k.detach()[rows]
+            v_cache[page, :rows.stop - rows.start] = v.detach()[rows]
+    return k_cache, v_cache, table

@@ -23,6 +23,9 @@ from torch_flash_v100.bench.implementations import (IMPL_NAMES, Impl, Unsupporte
 from torch_flash_v100.bench.suites import SUITES, Config, flops_fwd, get_suite
 from torch_flash_v100.reference import reference_attention
 
+# Python harness code, several minutes of CPU runs: CI runs it on one torch.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 IMPL_FIELDS = {"fwd_ms", "bwd_ms", "fwdbwd_ms", "tflops_fwd", "tflops_bwd", "tflops_fwdbwd", "mem_mb",

@@ -1,12 +1,13 @@
 """The FlashAttention-2 varlen functions on packed batches against the per-sequence fp64
-reference: forward (out, softmax_lse [Hq, total_q], S_dmask) and gradients at every position."""
+reference: forward (out, softmax_lse [Hq, total_q], S_dmask) and gradients at every position;
+with block_table (packed queries over a paged KV cache), the forward, opcheck and bad input."""
 
 import pytest
 import torch
 
 from torch_flash_v100 import flash_attn_interface as fa
 from flash_testing import (assert_close, cu_seqlens, forward_with_rng_state, grads, ops,
-                           varlen_qkv, varlen_reference)
+                           paged_cache, varlen_qkv, varlen_reference)
 
 # Lengths with empty sequences on either side, seqlen_q != seqlen_k both ways, tile crossings.
 LENGTHS = [
@@ -156,8 +157,97 @@ def test_varlen_keys_outside_every_window_are_never_read():
         assert torch.equal(a, b)
 
 
-def test_block_table_is_not_supported():
-    q, k, v = varlen_qkv([4], [4], 2, 2, 8, torch.float32)
-    cu = cu_seqlens([4])
-    with pytest.raises(NotImplementedError, match="paged KV cache"):
-        fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=torch.zeros(1, 1))
+PAGED_FEATURES = [f for f in FEATURES if f[0] in ("plain", "causal", "window_6_-1", "all")]
+
+
+def _paged_op(q, k_cache, v_cache, cu_q, cu_k, max_q, table, causal=False, window_size=(-1, -1),
+              softcap=0.0, alibi_slopes=None, softmax_scale=None):
+    """(out, softmax_lse) of the op under flash_attn_varlen_func(block_table=...)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return ops._kvcache_forward(q, k_cache, v_cache, None, None, None, None, cu_k[1:] - cu_k[:-1],
+                                None, None, table, scale, causal, *window_size, softcap, True,
+                                alibi_slopes, 1, True, cu_q, max_q)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("lens_q,lens_k", LENGTHS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("name,kwargs,heads_q,heads_kv", PAGED_FEATURES,
+                         ids=[f[0] for f in PAGED_FEATURES])
+def test_paged_varlen_matches_reference(name, kwargs, heads_q, heads_kv, lens_q, lens_k,
+                                        page_size):
+    """block_table: packed queries over shuffled pages (NaN elsewhere, table entries past a
+    sequence's pages far outside the cache) equal the per-sequence reference on every row."""
+    q, k, v = varlen_qkv(lens_q, lens_k, heads_q, heads_kv, 16, torch.float64, seed=len(lens_q))
+    q = q.detach()
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    kwargs = _resolve(kwargs, len(lens_q), heads_q)
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, page_size, seed=sum(lens_k))
+    max_q = max(lens_q) + 1
+    out = fa.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max_q, None,
+                                    block_table=table, **kwargs)
+    ref_out, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, **kwargs)
+    assert out.shape == q.shape
+    assert_close(out, ref_out, "out")
+    op_out, lse = _paged_op(q, k_cache, v_cache, cu_q, cu_k, max_q, table, **kwargs)
+    assert torch.equal(op_out, out) and lse.shape == (heads_q, sum(lens_q))
+    assert_close(lse, ref_lse, "softmax_lse")
+
+
+def test_paged_varlen_opcheck_and_no_backward():
+    lens_q, lens_k = [3, 0, 5], [20, 7, 40]
+    q, k, v = varlen_qkv(lens_q, lens_k, 4, 2, 8, torch.float32)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, 16)
+    k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()  # opcheck compares caches
+    table[table > k_cache.shape[0]] = 0
+    args = (q.detach(), k_cache, v_cache, None, None, None, None, cu_k[1:] - cu_k[:-1], None,
+            None, table, 0.3, True, -1, -1, 0.0, True, None, 1)
+    for check_index_values in (True, False):
+        torch.library.opcheck(ops._kvcache_forward.default,
+                              args + (check_index_values, cu_q, 5),
+                              test_utils=("test_schema", "test_autograd_registration",
+                                          "test_faketensor", "test_aot_dispatch_dynamic"))
+    out = fa.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 5, 40, block_table=table)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        out.sum().backward()
+
+
+def test_paged_varlen_bad_inputs():
+    lens_q, lens_k = [3, 5], [20, 40]
+    q, k, v = varlen_qkv(lens_q, lens_k, 2, 2, 8, torch.float32)
+    q = q.detach()
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, 16)
+
+    def call(**changes):
+        args = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    max_seqlen_q=5, max_seqlen_k=40, block_table=table)
+        args.update(changes)
+        return fa.flash_attn_varlen_func(**args)
+
+    cases = [
+        (dict(dropout_p=0.1), "expected dropout_p=0 and return_attn_probs=False"),
+        (dict(return_attn_probs=True), "expected dropout_p=0 and return_attn_probs=False"),
+        (dict(cu_seqlens_k=cu_k.long()), "expected cu_seqlens_k an int32"),
+        (dict(cu_seqlens_k=cu_k[:2]), "expected cu_seqlens_k an int32"),
+        (dict(cu_seqlens_k=torch.tensor([0, 20, 10], dtype=torch.int32)),
+         r"cache_seqlens\[1\] = -10 \(cu_seqlens_k's difference there\) is negative"),
+        (dict(cu_seqlens_k=torch.tensor([0, 20, 90], dtype=torch.int32)),
+         r"cache_seqlens\[1\] = 70 with 0 new rows does not fit a cache of 64 rows"),
+        (dict(max_seqlen_q=4), "sequence 1 has 5 rows \\(cu_seqlens_q\\), more than max_seqlen_q"),
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32)),
+         r"expected cu_seqlens_q\[-1\] == 8"),
+        (dict(cu_seqlens_q=cu_q.long()), "expected cu_seqlens_q of dtype int32"),
+        (dict(block_table=table[:1]), r"expected block_table \[B, max_pages\] = \[2"),
+        (dict(block_table=torch.where(table == table[1, 1], 99, table)),
+         r"block_table\[1, 1\] = 99 is outside"),
+        (dict(q=q[None]), r"or \[total_q, Hq, D\] with cu_seqlens_q"),
+    ]
+    for changes, message in cases:
+        with pytest.raises((RuntimeError, ValueError), match=message):
+            call(**changes)
+    new_rows = q[None, :3]
+    with pytest.raises(RuntimeError, match="packed queries .cu_seqlens_q. need block_table"):
+        ops._kvcache_forward(q, k_cache, v_cache, new_rows, new_rows, None, None,
+                             cu_k[1:] - cu_k[:-1], None, None, table, 0.3, False, -1, -1, 0.0,
+                             True, None, 1, True, cu_q, 5)

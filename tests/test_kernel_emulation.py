@@ -22,6 +22,9 @@ from hypothesis import given, settings, strategies as st
 from attention_testing import assert_fa2_close
 from emulation_testing import build_emulation
 
+# The device code on the host: the same on every torch (CI runs it on one).
+pytestmark = pytest.mark.slow
+
 ATOMS = ["VoltaAtom", "AmpereAtom"]
 
 
@@ -482,3 +485,34 @@ def test_kvcache_batch_idx_window_softcap(emulators, tmp_path, atom):
     run_kvcache_case(emulators, tmp_path, atom=atom, heads_q=2, heads_kv=2, len_q=4,
                      seqlen_new=2, batch_idx=[2, 0, 3], causal=False, window=(30, 3),
                      softcap=5.0, seqlens=(10, 70, 94))
+
+
+@pytest.mark.parametrize("decode_tile", [False, True], ids=["prefill_tile", "decode_tile"])
+def test_kvcache_paged_packed_queries(emulators, tmp_path, atom, decode_tile):
+    """flash_attn_varlen_func with block_table: packed queries (an empty sequence, one without
+    keys, tiles crossing pages) over shuffled 16-row pages whose other rows are NaN, causal, GQA,
+    against the per-sequence reference at every row."""
+    from flash_testing import cu_seqlens, paged_cache, varlen_reference
+
+    lens_q, lens_k = ([3, 0, 2, 5] if decode_tile else [40, 0, 1, 70]), [50, 7, 0, 90]
+    heads_q, heads_kv, d = 4, 2, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(n), h, d, generator=g, dtype=torch.float64)
+               for n, h in ((lens_q, heads_q), (lens_k, heads_kv), (lens_k, heads_kv)))
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, 16)
+    case = dict(kvcache=1, batch=len(lens_q), heads_q=heads_q, heads_kv=heads_kv,
+                len_q=max(lens_q), total_q=sum(lens_q), len_kv=0, head_dim=d, bf16=0,
+                scale=d ** -0.5, causal=2, window_left=-1, window_right=0, softcap=0.0, mask=0,
+                dropout_p=0.0, seed=0, offset=0, decode_tile=int(decode_tile), backward=0,
+                deterministic=0, bwd_stages=1, bwd_wide=0, cache_batch=k_cache.shape[0],
+                cache_rows=16, paged=1, max_blocks=table.shape[1], seqlen_new=0, leftpad=0,
+                batch_idx=0, rotary_dim=0, rotary_interleaved=1, seqlen_ro=0, num_splits=1,
+                append_in_kernel=0, pack_gqa=0)
+    tensors = dict(q=q.half(), k=k_cache.half(), v=v_cache.half(), seqlens=cu_k[1:] - cu_k[:-1],
+                   block_table=table, cu_seqlens_q=cu_q)
+    read = emulate(emulators, tmp_path, atom, d, case, tensors)
+    ref_out, ref_lse = varlen_reference(q.half().double(), k.half().double(), v.half().double(),
+                                        cu_q, cu_k, causal=True)
+    assert_fa2_close(read("out", q.shape, torch.float16), ref_out, ref_out.half(), "out")
+    assert_lse_close(read("lse", ref_lse.shape, torch.float32), ref_lse, atol=1e-3)

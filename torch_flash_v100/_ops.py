@@ -71,12 +71,14 @@ def _flash_backward_fake(grad_out, query, key, value, out, softmax_lse, rng_stat
 def _kvcache_forward_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                           cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                           window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
-                          num_splits, check_index_values=True):
+                          num_splits, check_index_values=True, cu_seqlens_q=None,
+                          max_seqlen_q=0):
     # Mirrors allocate_kvcache_out/_lse in csrc/tensor_params.cpp; the caches are mutated in place
     # (the schema's alias annotations tell functionalization).
     out = q.new_empty(q.shape)
-    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
-    return out, lse
+    lse_shape = ((q.shape[1], q.shape[0]) if cu_seqlens_q is not None
+                 else (q.shape[0], q.shape[2], q.shape[1]))
+    return out, q.new_empty(lse_shape, dtype=_lse_dtype(q))
 
 
 @torch.library.register_fake("flashv100::_dropout_mask")

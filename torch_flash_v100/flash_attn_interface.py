@@ -20,7 +20,8 @@ Same names, arguments, defaults, return values and semantics as ``flash_attn.fla
   (flash_attn: 256), ``cache_leftpad`` together with ``block_table`` (flash_attn refuses it), and
   CPU tensors of every floating dtype; its bad index values (a ``block_table`` entry outside the
   cache, a cache too small for the append) raise instead of reading or writing out of bounds;
-- ``flash_attn_varlen_func`` has no paged KV cache (``block_table``) yet.
+- ``flash_attn_varlen_func`` with ``block_table`` (a paged KV cache, forward only) takes no dropout
+  and no ``return_attn_probs``.
 """
 
 from __future__ import annotations
@@ -191,14 +192,36 @@ flash_attn_kvpacked_func.__doc__ = """flash_attn_func with packed key/value, wit
 """ + _ARGS_DOC + _DENSE_RETURNS
 
 
+def _paged_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p,
+                     softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                     block_table):
+    # Packed queries over each sequence's pages: the KV-cache op's packed-query form, whose key
+    # lengths are cu_seqlens_k's differences (its start is never read: the pages place the rows).
+    name = "flash_attn_varlen_func"
+    if dropout_p != 0.0 or return_attn_probs:
+        raise ValueError(f"{name}: with block_table (a paged KV cache, forward only) expected "
+                         f"dropout_p=0 and return_attn_probs=False, got dropout_p={dropout_p}, "
+                         f"return_attn_probs={return_attn_probs}")
+    if not (isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.dtype == torch.int32
+            and cu_seqlens_k.dim() == 1 and cu_seqlens_k.shape == cu_seqlens_q.shape):
+        raise ValueError(f"{name}: expected cu_seqlens_k an int32 (batch_size + 1,) tensor like "
+                         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, got "
+                         f"{getattr(cu_seqlens_k, 'dtype', type(cu_seqlens_k))} "
+                         f"{tuple(getattr(cu_seqlens_k, 'shape', ()))}")
+    seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    return _kvcache(q, k_cache, v_cache, None, None, None, None, seqlens_k, None, None,
+                    block_table, softmax_scale, causal, window_size, softcap, True, alibi_slopes,
+                    1, True, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)[0]
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
     if block_table is not None:
-        raise NotImplementedError(
-            "flash_attn_varlen_func: block_table (a paged KV cache) is not supported yet; pass "
-            "k and v packed as [total_k, nheads_k, headdim] with cu_seqlens_k")
+        return _paged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p,
+                                softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                return_attn_probs, block_table)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                       return_attn_probs)
@@ -219,7 +242,12 @@ flash_attn_varlen_func.__doc__ = """Attention over a packed batch of variable-le
     cu_seqlens_k: int32 (batch_size + 1,) on q's device: 0, non-decreasing, ending at total_k.
     max_seqlen_q: int, at least the longest query sequence.
     max_seqlen_k: int, at least the longest key sequence.
-""" + _ARGS_DOC + """    block_table: paged KV caches are not supported yet (NotImplementedError).
+""" + _ARGS_DOC + """    block_table [optional]: int32 (batch_size, max_num_blocks_per_seq), a paged KV cache
+        (inference: no dropout, no return_attn_probs, no backward). k and v are then k_cache and
+        v_cache (num_blocks, page_block_size, nheads_k, headdim), page_block_size a multiple of
+        16, and sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its
+        pages (page i is k[block_table[b, i]]), as in flash_attn_with_kvcache; max_seqlen_k is
+        not read then. One launch over the packed queries, no padding.
 """ + _VARLEN_RETURNS
 
 
@@ -275,10 +303,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
                             check_index_values=True):
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("flash_attn_with_kvcache: k and v need cache_seqlens (the rows they "
@@ -288,16 +312,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, (int, torch.SymInt)):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
+    out, softmax_lse = _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                                causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                                num_splits, check_index_values)
+    return (out, softmax_lse) if return_softmax_lse else out
+
+
+def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+             rotary_interleaved, alibi_slopes, num_splits, check_index_values, cu_seqlens_q=None,
+             max_seqlen_q=0):
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     q, k, v = (x if x is None or x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    out, softmax_lse = torch.ops.flashv100._kvcache_forward(
+    return torch.ops.flashv100._kvcache_forward(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, _index_tensor(cache_seqlens),
         _index_tensor(cache_batch_idx), _index_tensor(cache_leftpad), block_table,
         float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
         float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-        bool(check_index_values))
-    return (out, softmax_lse) if return_softmax_lse else out
+        bool(check_index_values), cu_seqlens_q, max_seqlen_q)
 
 
 flash_attn_with_kvcache.__doc__ = """Attention of new queries to a KV cache, appending new keys and

@@ -79,6 +79,7 @@ struct AttentionShape {
 // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q/out/lse and [cu_seqlens_k[b], cu_seqlens_k[b + 1])
 // of k/v; tensors have batch stride 0, and AttentionShape's len_q / len_kv are upper bounds
 // (max_seqlen_q / max_seqlen_k) that size grids and workspaces. Both nullptr: a dense batch.
+// With a KV cache (KVCacheParams) only cu_seqlens_q may be set: packed queries over cached keys.
 // The arrays live on the kernels' device (int32, B + 1 entries, non-decreasing, from 0).
 struct VarlenParams {
   const int32_t* cu_seqlens_q = nullptr;
@@ -202,7 +203,12 @@ FLASHV100_HOST_DEVICE inline SequenceSpan sequence_span(const ForwardParams& p, 
   const KVCacheParams& c = p.kvcache;
   if (c.seqlens == nullptr) return batch_span(p, b);
   const int64_t first = c.leftpad != nullptr ? c.leftpad[b] : 0;
-  return SequenceSpan{0, first, p.shape.len_q, c.seqlens[b] + c.seqlen_new - first};
+  SequenceSpan span{0, first, p.shape.len_q, c.seqlens[b] + c.seqlen_new - first};
+  if (p.varlen.cu_seqlens_q != nullptr) {  // packed queries
+    span.q_start = p.varlen.cu_seqlens_q[b];
+    span.len_q = p.varlen.cu_seqlens_q[b + 1] - span.q_start;
+  }
+  return span;
 }
 
 // Offset in elements of key/value row `row` (of the sequence's whole cache row range: k_start

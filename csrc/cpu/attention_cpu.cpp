@@ -582,12 +582,14 @@ std::tuple<at::Tensor, at::Tensor> kvcache_forward_cpu(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
     bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits,
-    bool /*check_index_values*/) {
+    bool /*check_index_values*/, const std::optional<at::Tensor>& cu_seqlens_q,
+    int64_t max_seqlen_q) {
   const KVCacheArgs args{q,           k_cache,         v_cache,       k,
                          v,           rotary_cos,      rotary_sin,    cache_seqlens,
                          cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                          causal,      window_left,     window_right,  softcap,
-                         rotary_interleaved, alibi_slopes, num_splits};
+                         rotary_interleaved, alibi_slopes, num_splits, cu_seqlens_q,
+                         max_seqlen_q};
   // The index values are on the host already: checked whatever check_index_values asks.
   check_kvcache_inputs("flashv100._kvcache_forward", args, /*check_values=*/true);
   const at::Tensor q_rotated = rotary_cos.has_value() ? at::empty_like(q) : at::Tensor();

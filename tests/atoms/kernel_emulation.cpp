@@ -27,8 +27,9 @@
 // append kernel (rotary_dim > 0: it also rotates them and q by cos / sin [seqlen_ro, rotary_dim /
 // 2]) or by the decode tile itself ("append_in_kernel 1"); num_splits > 1 runs split-KV and the
 // combine kernel; "pack_gqa 1" lays a one-row query's heads of a KV head out as rows, as
-// make_kvcache_forward_params does. Writes out, lse and the caches after the append (k_cache,
-// v_cache).
+// make_kvcache_forward_params does; "total_q N" (N > 0) packs the queries as [N, Hq, d] with
+// cu_seqlens_q int32 [B + 1] (flash_attn_varlen_func with block_table; out alike, lse [Hq, N]).
+// Writes out, lse and the caches after the append (k_cache, v_cache).
 #include "cuda_host_emulation.h"
 
 // The kernels' `extern __shared__ uint4 smem_raw[]` (one block runs at a time).
@@ -326,14 +327,17 @@ void run_kvcache(const std::map<std::string, double>& c, const std::string& dir)
   const int64_t seqlen_new = c.at("seqlen_new"), rotary_dim = c.at("rotary_dim");
   const bool paged = c.at("paged") != 0;
   const int64_t max_blocks = paged ? static_cast<int64_t>(c.at("max_blocks")) : 1;
-  std::vector<uint16_t> q = read_tensor<uint16_t>(dir + "/q", B * Hq * Lq * d);
+  const int64_t total_q = c.count("total_q") != 0 ? static_cast<int64_t>(c.at("total_q")) : 0;
+  const int64_t q_rows = total_q > 0 ? total_q : B * Lq;
+  std::vector<uint16_t> q = read_tensor<uint16_t>(dir + "/q", q_rows * Hq * d);
   std::vector<uint16_t> k = read_tensor<uint16_t>(dir + "/k", cache_batch * cache_rows * Hkv * d);
   std::vector<uint16_t> v = read_tensor<uint16_t>(dir + "/v", cache_batch * cache_rows * Hkv * d);
   std::vector<int32_t> seqlens = read_tensor<int32_t>(dir + "/seqlens", B), leftpad, batch_idx,
                        block_table;
   std::vector<uint16_t> k_new, v_new, cos, sin, q_rotated;
-  std::vector<uint16_t> out(B * Hq * Lq * d, 0x7e00);
-  std::vector<float> lse(B * Hq * Lq, NAN);
+  std::vector<uint16_t> out(q_rows * Hq * d, 0x7e00);
+  std::vector<float> lse(q_rows * Hq, NAN);
+  std::vector<int32_t> cu_seqlens_q;
 
   KVCacheParams cache;
   cache.seqlens = seqlens.data();
@@ -389,6 +393,14 @@ void run_kvcache(const std::map<std::string, double>& c, const std::string& dir)
   ForwardParams p = forward_params(c, rotary_dim > 0 ? q_rotated : q, k, v, out, lse,
                                    cache_rows * max_blocks, cache_strides);
   p.kvcache = cache;
+  if (total_q > 0) {  // make_kvcache_forward_params' packed queries
+    if (seqlen_new > 0 || rotary_dim > 0 || c.at("num_splits") > 1 || c.at("pack_gqa") != 0)
+      unsupported("packed queries take no new rows, rotary, split or GQA packing");
+    cu_seqlens_q = read_tensor<int32_t>(dir + "/cu_seqlens_q", B + 1);
+    p.varlen.cu_seqlens_q = cu_seqlens_q.data();
+    p.q_strides = p.out_strides = TensorStrides{0, d, Hq * d};
+    p.lse_layout = LseLayout{0, total_q};
+  }
   if (c.at("pack_gqa") != 0) {  // make_kvcache_forward_params: query head h * g + r as row r
     const int64_t group = Hq / Hkv;
     if (Lq != 1 || group == 1 || p.window.left >= 0) unsupported("pack_gqa needs one query row");

@@ -5,7 +5,8 @@ seqlen_q * ngroups view for decoding), seqlen_q 1..300, more new rows than query
 by the forward kernel itself, across split shares), rotary (both styles, rotary_dim < D),
 causal/window/ALiBi/softcap, split-KV forced (1, 3, 7) and chosen (0); the whole caches after the
 in-place append; block tables with strided rows; bad index values; a decode step captured once in
-a CUDA graph and replayed with new cache_seqlens values.
+a CUDA graph and replayed with new cache_seqlens values; packed queries over a paged cache
+(flash_attn_varlen_func with block_table).
 
 Tolerances: out and lse FlashAttention-2 style (kvcache_testing.check_case); appended cache rows
 within one rounding of the reference's, other rows bit-identical.
@@ -17,7 +18,10 @@ import dataclasses
 import pytest
 import torch
 
+from torch_flash_v100 import flash_attn_interface as fa
 from torch_flash_v100.flash_attn_interface import flash_attn_with_kvcache
+from attention_testing import assert_fa2_close
+from flash_testing import cu_seqlens, paged_cache, varlen_qkv, varlen_reference
 from kvcache_testing import FEATURES, LAYOUTS, Case, check_case, make_inputs, run_case
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -194,3 +198,53 @@ def test_trusted_indices_make_no_host_sync(atom, page_size):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(trusted, checked)
     assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+
+
+# (lens_q, lens_k): decode rows next to a prefill chunk, sequences without queries or keys, key
+# tiles crossing pages, more queries than keys.
+PAGED_VARLEN_LENGTHS = [([1, 200, 0, 1, 37], [900, 230, 5, 1, 0]), ([130, 64], [64, 1000])]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("lens_q,lens_k", PAGED_VARLEN_LENGTHS, ids=["mixed", "two"])
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window_size=(100, 3), softcap=2.0,
+                                                            alibi_slopes="h")],
+                         ids=["causal", "window_softcap_alibi"])
+def test_paged_varlen(atom, dtype, head_dim, page_size, lens_q, lens_k, kwargs):
+    """flash_attn_varlen_func with block_table: packed queries over shuffled pages (NaN rows and
+    out-of-range table entries past each sequence's keys) against the fp64 reference, within
+    twice the error of the same kernels' dense varlen path, out and softmax_lse at every row."""
+    heads_q, heads_kv = 8, 2
+    q, k, v = (t.detach() for t in varlen_qkv(lens_q, lens_k, heads_q, heads_kv, head_dim,
+                                              torch.float64, seed=head_dim + page_size))
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    if kwargs.get("alibi_slopes") == "h":
+        kwargs = dict(kwargs, alibi_slopes=torch.rand(heads_q, generator=torch.Generator()
+                                                      .manual_seed(1)) * 0.1)
+    ref_out, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, **kwargs)
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, page_size)
+    dev = {name: t.cuda() if t.dtype == torch.int32 else t.to("cuda", dtype) for name, t in
+           dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, table=table, cu_q=cu_q,
+                cu_k=cu_k).items()}
+    cuda_kwargs = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in kwargs.items()}
+    max_q, max_k = max(lens_q), max(lens_k)
+    out, lse, _ = fa.flash_attn_varlen_func(dev["q"], dev["k"], dev["v"], dev["cu_q"], dev["cu_k"],
+                                            max_q, max_k, return_attn_probs=True, **cuda_kwargs)
+    paged = fa.flash_attn_varlen_func(dev["q"], dev["k_cache"], dev["v_cache"], dev["cu_q"],
+                                      dev["cu_k"], max_q, max_k, block_table=dev["table"],
+                                      **cuda_kwargs)
+    scale = head_dim ** -0.5
+    window = kwargs.get("window_size", (-1, -1))
+    paged_op, paged_lse = torch.ops.flashv100._kvcache_forward(
+        dev["q"], dev["k_cache"], dev["v_cache"], None, None, None, None,
+        dev["cu_k"][1:] - dev["cu_k"][:-1], None, None, dev["table"], scale,
+        kwargs.get("causal", False), *window, kwargs.get("softcap", 0.0), True,
+        cuda_kwargs.get("alibi_slopes"), 1, True, dev["cu_q"], max_q)
+    torch.cuda.synchronize()
+    assert torch.equal(paged_op, paged)
+    assert_fa2_close(paged.cpu(), ref_out, out.cpu(), name="out")
+    hidden = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(paged_lse.cpu()), hidden), "lse: -inf rows differ"
+    assert_fa2_close(paged_lse.cpu()[~hidden], ref_lse[~hidden], lse.cpu()[~hidden], name="lse",
+                     atol=1e-3)

@@ -273,14 +273,16 @@ std::tuple<at::Tensor, at::Tensor> kvcache_forward_cuda(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
     bool rotary_interleaved, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits,
-    bool check_index_values) {
+    bool check_index_values, const std::optional<at::Tensor>& cu_seqlens_q,
+    int64_t max_seqlen_q) {
   constexpr const char* op = "flashv100._kvcache_forward";
   const std::optional<at::Tensor> slopes = contiguous_or_none(alibi_slopes);
   const KVCacheArgs args{q,           k_cache,         v_cache,       k,
                          v,           rotary_cos,      rotary_sin,    cache_seqlens,
                          cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                          causal,      window_left,     window_right,  softcap,
-                         rotary_interleaved, slopes,    num_splits};
+                         rotary_interleaved, slopes,    num_splits,    cu_seqlens_q,
+                         max_seqlen_q};
   const c10::cuda::CUDAGuard guard(q.device());
   // Reading the index values is a device-to-host copy (a synchronisation), which a capturing
   // stream cannot do: a captured decode step trusts them, as a caller that asks to does
@@ -291,9 +293,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_forward_cuda(
   at::Tensor out = allocate_kvcache_out(args);
   at::Tensor lse = allocate_kvcache_lse(args);
   const MmaAtom atom = atom_of(q);
-  const FusedProblem problem{q.scalar_type(), q.size(3),  v_cache.size(3), q.size(1),
-                             args.capacity(), q.size(0) * q.size(2),
-                             q.size(0) * k_cache.size(2), false};
+  const FusedProblem problem{q.scalar_type(), args.head_dim(), v_cache.size(3), args.len_q(),
+                             args.capacity(), args.batch() * args.heads_q(),
+                             args.batch() * k_cache.size(2), false};
   const char* reason = fused_unsupported_reason(atom, problem, {&q, &k_cache, &v_cache, &out});
   TORCH_CHECK(reason == nullptr, op, ": the CUDA kernels (", mma_atom_name(atom),
               ") cannot run this problem: ", reason, " (q ", q.scalar_type(), " ", q.sizes(),

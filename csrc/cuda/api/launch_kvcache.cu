@@ -113,6 +113,8 @@ void run_kvcache_forward(MmaAtom atom, at::ScalarType dtype, ForwardParams p,
   } else {
     run_kvcache_append(dtype, append);
   }
+  // Packed queries take no split: the partial buffers and the combine address dense rows.
+  if (p.varlen.cu_seqlens_q != nullptr) num_splits = 1;
   if (num_splits == 0) {
     // FlashAttention-2's heuristic over the tile that runs: its query blocks, its key tiles, and
     // as many slots per SM as blocks of it fit there, at most two. The decode tile fits three,
