@@ -4,6 +4,7 @@ with block_table (packed queries over a paged KV cache), the forward, opcheck an
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from torch_flash_v100 import flash_attn_interface as fa
 from flash_testing import (assert_close, cu_seqlens, forward_with_rng_state, grads, ops,
@@ -191,6 +192,24 @@ def test_paged_varlen_matches_reference(name, kwargs, heads_q, heads_kv, lens_q,
     op_out, lse = _paged_op(q, k_cache, v_cache, cu_q, cu_k, max_q, table, **kwargs)
     assert torch.equal(op_out, out) and lse.shape == (heads_q, sum(lens_q))
     assert_close(lse, ref_lse, "softmax_lse")
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 70)), min_size=1,
+                        max_size=4),
+       page_size=st.sampled_from([16, 32, 48]), group=st.sampled_from([1, 2]),
+       window=st.sampled_from([(-1, -1), (5, 0), (9, 3)]), causal=st.booleans(),
+       softcap=st.sampled_from([0.0, 1.5]), seed=st.integers(0, 2**16))
+def test_fuzz_paged_varlen(lengths, page_size, group, window, causal, softcap, seed):
+    """Random packed batches over random pages against the per-sequence reference."""
+    lens_q, lens_k = [n for n, _ in lengths], [n for _, n in lengths]
+    q, k, v = varlen_qkv(lens_q, lens_k, 2 * group, 2, 8, torch.float64, seed=seed)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, page_size, seed=seed)
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    out = fa.flash_attn_varlen_func(q.detach(), k_cache, v_cache, cu_q, cu_k, max(lens_q),
+                                    max(lens_k), block_table=table, **kwargs)
+    assert_close(out, varlen_reference(q, k, v, cu_q, cu_k, **kwargs)[0], "out")
 
 
 def test_paged_varlen_opcheck_and_no_backward():
