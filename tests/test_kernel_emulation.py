@@ -488,6 +488,7 @@ def test_kvcache_batch_idx_window_softcap(emulators, tmp_path, atom):
 
 
 @pytest.mark.parametrize("decode_tile", [False, True], ids=["prefill_tile", "decode_tile"])
+@pytest.mark.parametrize("atom", ATOMS)
 def test_kvcache_paged_packed_queries(emulators, tmp_path, atom, decode_tile):
     """flash_attn_varlen_func with block_table: packed queries (an empty sequence, one without
     keys, tiles crossing pages) over shuffled 16-row pages whose other rows are NaN, causal, GQA,
